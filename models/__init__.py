@@ -1,0 +1,1 @@
+"""Models and their data. Each builds a Keras model; none knows about compression."""

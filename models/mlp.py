@@ -1,0 +1,38 @@
+"""A small regression MLP on synthetic data with a learnable signal.
+
+The targets come from a fixed random "teacher" (a one-hidden-layer network
+plus a little noise), so a student trained on them has a real loss to drive
+down. Used by the Quick-start job and by tests of the launcher.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+NUM_FEATURES = 16
+
+
+def build_model(hidden: tuple[int, ...] = (64, 32), seed: int = 0) -> tf_keras.Model:
+  """The student: ReLU MLP with one linear output."""
+  tf_keras.utils.set_random_seed(seed)
+  layers = [tf_keras.Input((NUM_FEATURES,))]
+  layers += [tf_keras.layers.Dense(n, activation="relu") for n in hidden]
+  layers.append(tf_keras.layers.Dense(1))
+  return tf_keras.Sequential(layers, name="mlp")
+
+
+def make_dataset(batch_size: int, seed: int = 0, noise: float = 0.05) -> tf.data.Dataset:
+  """Endless (features, target) batches labelled by a fixed random teacher."""
+  rng = np.random.default_rng(seed)
+  w1 = rng.normal(size=(NUM_FEATURES, 8)).astype(np.float32) / np.sqrt(NUM_FEATURES)
+  w2 = rng.normal(size=(8, 1)).astype(np.float32)
+
+  def label(x):
+    y = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+    return x, y + noise * tf.random.stateless_normal(tf.shape(y), [seed, 1])
+
+  features = tf.data.Dataset.random(seed=seed).batch(NUM_FEATURES).map(
+      lambda ints: tf.cast(ints % 2001, tf.float32) / 1000.0 - 1.0)
+  return features.batch(batch_size, drop_remainder=True).map(label).prefetch(2)

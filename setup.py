@@ -1,0 +1,22 @@
+"""tf-dct: communication-efficient distributed TensorFlow 2 training."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tf-dct",
+    version="0.1.0",
+    description=("TF-Replicator strategies with DCT-DP, DCT-MP and DEFT "
+                 "gradient/activation compression for TensorFlow 2"),
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["tf_dct", "tf_dct.*"]),
+    install_requires=[
+        "tensorflow>=2.21,<2.22",
+        "tf-keras>=2.21,<2.22",
+        "keras>=3.10,<4",
+        "tensorflow-recommenders==0.7.7",
+        "tensorflow-text>=2.21,<2.22",
+        "absl-py",
+        "numpy",
+    ],
+    extras_require={"test": ["pytest", "pytest-xdist"]},
+)

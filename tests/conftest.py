@@ -1,0 +1,21 @@
+"""Process-wide settings every test module needs before TensorFlow loads."""
+
+import os
+
+# TFRS needs tf.keras to be Keras 2; we import tf_keras / keras explicitly.
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+# tf.test.TestCase helpers (create_tempdir, get_temp_dir) read absl flags,
+# which pytest never parses.
+from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+if not flags.FLAGS.is_parsed():
+  flags.FLAGS.mark_as_parsed()
+
+
+def pytest_collection_modifyitems(items):
+  # tf.test.TestCase inherits a deprecated `test_session` context manager that
+  # pytest collects as a (skipped) test; it is not one.
+  items[:] = [item for item in items if item.name != "test_session"]

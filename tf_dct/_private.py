@@ -1,0 +1,101 @@
+"""The only module that touches private TensorFlow / Keras APIs.
+
+Each accessor below names the private symbol it relies on. `check()` verifies
+that every one of them still exists with the shape we expect, and
+`tests/test_private.py` calls it, so an upgrade that moves one fails loudly in
+one place instead of silently changing behaviour elsewhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import tensorflow as tf
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.ops import resource_variable_ops
+
+# Collective group keys of built-in strategies start at 1 + `_collective_key_base`
+# (class attribute, read from the container strategy by `MirroredExtended` and
+# `CollectiveAllReduceExtended` in their __init__). Every built-in instance uses
+# base 0, so two strategies over the same devices in one process would share
+# group keys. Ours take bases far above 0; the sequence is deterministic so that
+# every worker of a multi-worker job derives the same keys.
+_KEY_BASE_START = 1_000_000
+_KEY_BASE_STRIDE = 100_000
+_key_bases = itertools.count()
+
+
+def next_collective_key_base() -> int:
+  """Returns a fresh collective key base for one strategy instance."""
+  return _KEY_BASE_START + _KEY_BASE_STRIDE * next(_key_bases)
+
+
+def set_collective_key_base(strategy: tf.distribute.Strategy, base: int) -> None:
+  """Sets the per-instance key base; call before the built-in __init__ runs."""
+  strategy._collective_key_base = base  # pylint: disable=protected-access
+
+
+def first_local_replica_id(strategy: tf.distribute.Strategy) -> int:
+  """Global id of this worker's first replica (0 on a single worker)."""
+  # `CollectiveAllReduceExtended._id_in_cluster` (chief-aware worker rank).
+  rank = getattr(strategy.extended, "_id_in_cluster", 0)
+  return int(rank) * len(strategy.extended.worker_devices)
+
+
+def input_context(strategy: tf.distribute.Strategy) -> tf.distribute.InputContext:
+  """The `InputContext` of this worker's input pipeline."""
+  num_workers = int(getattr(strategy.extended, "_num_workers", 1))
+  rank = int(getattr(strategy.extended, "_id_in_cluster", 0))
+  return tf.distribute.InputContext(
+      num_input_pipelines=num_workers, input_pipeline_id=rank,
+      num_replicas_in_sync=strategy.num_replicas_in_sync)
+
+
+def unmirrored_variable(initial_value, name: str, device: str) -> tf.Variable:
+  """Creates a plain resource variable that no strategy creator intercepts.
+
+  Inside `strategy.scope()` every `tf.Variable(...)` call is routed through the
+  strategy's variable creator and becomes a Mirrored/SyncOnRead variable whose
+  checkpoint holds one value for all replicas. Calling the `ResourceVariable`
+  class directly skips the creator stack (`VariableMetaclass` only applies
+  creators for `tf.Variable` itself), so each replica gets a variable of its own
+  that round-trips through `tf.train.Checkpoint` exactly.
+  """
+  with tf.init_scope(), tf.device(device):
+    return resource_variable_ops.ResourceVariable(
+        initial_value, trainable=False, name=name)
+
+
+KERAS3_AGGREGATION_METHOD = "_all_reduce_sum_gradients"
+
+
+def keras3_optimizer_base():
+  """Keras 3's TF-backend optimizer class that owns gradient aggregation."""
+  from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer  # pylint: disable=g-import-not-at-top
+  return keras_tf_optimizer.TFOptimizer
+
+
+def check() -> None:
+  """Raises AssertionError if a private API we rely on has drifted."""
+  assert isinstance(mirrored_strategy.MirroredStrategy._collective_key_base, int), (
+      "MirroredStrategy._collective_key_base is gone")
+  src = inspect.getsource(mirrored_strategy.MirroredExtended.__init__)
+  assert "container_strategy._collective_key_base" in src, (
+      "MirroredExtended no longer reads the key base from the container")
+  from tensorflow.python.distribute import collective_all_reduce_strategy as cars  # pylint: disable=g-import-not-at-top
+  src = inspect.getsource(cars.CollectiveAllReduceExtended)
+  assert "container_strategy._collective_key_base" in src, (
+      "CollectiveAllReduceExtended no longer reads the key base")
+  assert "_id_in_cluster" in src, "CollectiveAllReduceExtended._id_in_cluster is gone"
+  assert "self._num_workers" in src, "CollectiveAllReduceExtended._num_workers is gone"
+  assert hasattr(resource_variable_ops, "ResourceVariable")
+  base = keras3_optimizer_base()
+  method = getattr(base, KERAS3_AGGREGATION_METHOD, None)
+  assert callable(method), f"Keras 3 TFOptimizer.{KERAS3_AGGREGATION_METHOD} is gone"
+  params = list(inspect.signature(method).parameters)
+  assert params == ["self", "grads_and_vars"], (
+      f"Keras 3 {KERAS3_AGGREGATION_METHOD} signature changed: {params}")
+  update_src = inspect.getsource(base._backend_update_step)
+  assert KERAS3_AGGREGATION_METHOD in update_src, (
+      "Keras 3 _backend_update_step no longer calls the aggregation method")

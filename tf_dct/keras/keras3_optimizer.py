@@ -1,0 +1,24 @@
+"""Keras 3 adapter: overrides the private aggregation method pinned in `_private`."""
+
+from __future__ import annotations
+
+from tf_dct import _private
+
+
+def accepts(optimizer) -> bool:
+  try:
+    base = _private.keras3_optimizer_base()
+  except ImportError:
+    return False
+  return isinstance(optimizer, base)
+
+
+class AggregateWithCompressor:
+  """Mixin placed before a Keras 3 (TF backend) optimizer class."""
+
+  def _all_reduce_sum_gradients(self, grads_and_vars):
+    return self._tf_dct_compressor.aggregate(grads_and_vars)
+
+
+assert AggregateWithCompressor._all_reduce_sum_gradients.__name__ == (
+    _private.KERAS3_AGGREGATION_METHOD)

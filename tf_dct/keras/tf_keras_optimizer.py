@@ -1,0 +1,18 @@
+"""tf-keras adapter: overrides the public `Optimizer.aggregate_gradients` hook."""
+
+from __future__ import annotations
+
+
+def accepts(optimizer) -> bool:
+  try:
+    import tf_keras  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  return isinstance(optimizer, tf_keras.optimizers.Optimizer)
+
+
+class AggregateWithCompressor:
+  """Mixin placed before a tf-keras optimizer class."""
+
+  def aggregate_gradients(self, grads_and_vars):
+    return self._tf_dct_compressor.aggregate(grads_and_vars)

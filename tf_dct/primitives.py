@@ -1,0 +1,169 @@
+"""TF-Replicator's communication primitives (paper §3.4), for use inside step_fn.
+
+Every primitive is called by every replica with that replica's value and
+returns the same result on every replica. Inputs may be nested structures of
+tensors; the result has the same structure. All of them are differentiable
+where the underlying collective is (sum, mean, gather), so they can sit inside
+a loss, e.g. cross-replica batch norm through `all_sum`.
+
+Semantics, for replicas r = 0..n-1 holding values x_r:
+
+* `all_reduce(x, op)`: op over r of x_r, op in sum | mean | max | min.
+* `all_sum(x)`: sum over r of x_r.
+* `all_gather(x, axis)`: concat([x_0, ..., x_{n-1}], axis); the sizes along
+  `axis` may differ between replicas (Mirrored strategies; TPU needs equal
+  shapes).
+* `broadcast(x, source_replica)`: x_source on every replica; the gradient of
+  every replica's use flows back to the source replica.
+* `map_reduce(fn, x, op)`: all_reduce(fn(x_r), op): each replica applies `fn`
+  to its own value, then the results are reduced.
+* `map_gather(fn, x)`: stack([fn(x_0), ..., fn(x_{n-1})], axis=0): each
+  replica applies `fn`, then the results are stacked along a new leading axis
+  in replica order (so every fn(x_r) must have the same shape).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import tensorflow as tf
+
+_OPS = {
+    "sum": tf.distribute.ReduceOp.SUM,
+    "mean": tf.distribute.ReduceOp.MEAN,
+    "max": "max",
+    "min": "min",
+}
+
+
+def replica_context(caller: str,
+                    strategy: tf.distribute.Strategy | None = None
+                   ) -> tf.distribute.ReplicaContext:
+  """Returns the current replica context or raises a clear error."""
+  ctx = tf.distribute.get_replica_context()
+  if ctx is None:
+    raise RuntimeError(
+        f"{caller}() must be called inside step_fn (a replica context, e.g. "
+        "within replicator.run(step_fn, ...)), not in cross-replica context.")
+  if strategy is not None and ctx.strategy is not strategy:
+    raise RuntimeError(
+        f"{caller}() was called outside a replica of this replicator; call it "
+        "inside a step_fn run by the same replicator.")
+  return ctx
+
+
+def _normalize_op(op) -> Any:
+  if isinstance(op, tf.distribute.ReduceOp):
+    return op
+  if isinstance(op, str) and op.lower() in _OPS:
+    return _OPS[op.lower()]
+  raise ValueError(
+      f"op must be one of {sorted(_OPS)} or a tf.distribute.ReduceOp, got {op!r}")
+
+
+def _batched_all_reduce(ctx, op, x):
+  """`ctx.all_reduce` of a nest, one batch for int32 and one for the rest.
+
+  Mirrored strategies keep int32 tensors in host memory and refuse a batched
+  reduction that mixes host and device tensors.
+  """
+  # identity() puts each value on this replica's device: a function argument
+  # has none under XLA, and the strategy reduces towards the value's device.
+  flat = [tf.identity(t) for t in tf.nest.flatten(x)]
+  groups = {}
+  for i, t in enumerate(flat):
+    groups.setdefault(t.dtype == tf.int32, []).append(i)
+  out = [None] * len(flat)
+  for indices in groups.values():
+    for i, r in zip(indices, ctx.all_reduce(op, [flat[i] for i in indices])):
+      out[i] = r
+  return tf.nest.pack_sequence_as(x, out)
+
+
+def _gather_reduce(ctx, x, reduce_fn):
+  def one(t):
+    t = tf.convert_to_tensor(t)
+    stacked = ctx.all_gather(tf.expand_dims(t, 0), axis=0)
+    return reduce_fn(stacked, axis=0)
+  return tf.nest.map_structure(one, x)
+
+
+def all_reduce(x, op="sum", *, strategy=None):
+  """Reduces `x` across replicas with `op` (sum | mean | max | min)."""
+  op = _normalize_op(op)
+  ctx = replica_context("all_reduce", strategy)
+  if op == "max":
+    return _gather_reduce(ctx, x, tf.reduce_max)
+  if op == "min":
+    return _gather_reduce(ctx, x, tf.reduce_min)
+  return _batched_all_reduce(ctx, op, x)
+
+
+def all_sum(x, *, strategy=None):
+  """Sums `x` across replicas."""
+  ctx = replica_context("all_sum", strategy)
+  return _batched_all_reduce(ctx, tf.distribute.ReduceOp.SUM, x)
+
+
+def all_gather(x, axis: int = 0, *, strategy=None):
+  """Concatenates every replica's `x` along `axis`, in replica order."""
+  if not isinstance(axis, int) or isinstance(axis, bool):
+    raise TypeError(f"axis must be an int, got {axis!r}")
+  ctx = replica_context("all_gather", strategy)
+
+  def one(t):
+    t = tf.convert_to_tensor(t)
+    rank = t.shape.rank
+    if rank is None or not -rank <= axis < max(rank, 1):
+      raise ValueError(f"axis must be in [{-(rank or 0)}, {rank}) for a "
+                       f"rank-{rank} value, got {axis}")
+    return t, axis % max(rank, 1)
+
+  checked = [one(t) for t in tf.nest.flatten(x)]
+  if axis >= 0:  # one batched collective for the whole structure
+    return ctx.all_gather(x, axis=axis)
+  # TF's collective gather takes only non-negative axes.
+  return tf.nest.pack_sequence_as(
+      x, [ctx.all_gather(t, axis=a) for t, a in checked])
+
+
+def broadcast(x, source_replica: int = 0, *, strategy=None):
+  """Returns the value of `x` held by replica `source_replica`, everywhere."""
+  ctx = replica_context("broadcast", strategy)
+  n = ctx.num_replicas_in_sync
+  if (not isinstance(source_replica, int) or isinstance(source_replica, bool)
+      or not 0 <= source_replica < n):
+    raise ValueError(
+        f"source_replica must be an int in [0, {n}), got {source_replica!r}")
+  is_source = tf.equal(ctx.replica_id_in_sync_group, source_replica)
+
+  def mask(t):
+    t = tf.convert_to_tensor(t)
+    if t.dtype == tf.bool:
+      t = tf.cast(t, tf.int32)
+    return tf.where(is_source, t, tf.zeros_like(t))
+
+  summed = _batched_all_reduce(ctx, tf.distribute.ReduceOp.SUM,
+                               tf.nest.map_structure(mask, x))
+  return tf.nest.map_structure(
+      lambda s, t: tf.cast(s, tf.bool) if tf.convert_to_tensor(t).dtype == tf.bool else s,
+      summed, x)
+
+
+def map_reduce(fn: Callable, x, op="sum", *, strategy=None):
+  """Applies `fn` to each replica's `x`, then reduces the results with `op`."""
+  if not callable(fn):
+    raise TypeError(f"fn must be callable, got {fn!r}")
+  _normalize_op(op)
+  replica_context("map_reduce", strategy)
+  return all_reduce(fn(x), op, strategy=strategy)
+
+
+def map_gather(fn: Callable, x, *, strategy=None):
+  """Applies `fn` to each replica's `x`, then stacks the results in replica order."""
+  if not callable(fn):
+    raise TypeError(f"fn must be callable, got {fn!r}")
+  ctx = replica_context("map_gather", strategy)
+  y = fn(x)
+  return ctx.all_gather(
+      tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), y), axis=0)
