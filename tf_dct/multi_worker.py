@@ -40,13 +40,15 @@ def validate_tf_config(raw: str | None = None) -> dict | None:
   if not isinstance(task, dict):
     raise ValueError('TF_CONFIG must have a "task" object with "type" and "index"')
   task_type, index = task.get("type"), task.get("index")
-  if task_type not in cluster:
+  # A side-car evaluator may be absent from the cluster (as TF allows).
+  if task_type not in cluster and task_type != "evaluator":
     raise ValueError(f'TF_CONFIG["task"]["type"] must be one of {sorted(cluster)}, '
                      f"got {task_type!r}")
+  num_tasks = len(cluster[task_type]) if task_type in cluster else 1
   if (isinstance(index, bool) or not isinstance(index, int) or
-      not 0 <= index < len(cluster[task_type])):
+      not 0 <= index < num_tasks):
     raise ValueError(f'TF_CONFIG["task"]["index"] must be an int in '
-                     f"[0, {len(cluster[task_type])}), got {index!r}")
+                     f"[0, {num_tasks}), got {index!r}")
   return config
 
 
@@ -55,7 +57,8 @@ class MultiWorkerReplicator(ReplicatorMixin,
   """One replica per local device on every worker; collectives over gRPC.
 
   The cluster comes from TF_CONFIG (validated first, with a clear error) or a
-  `cluster_resolver`. Every worker runs the same program.
+  `cluster_resolver`. Every worker runs the same program, and must create its
+  replicators in the same order: collective keys are derived from that order.
 
   Args:
     cluster_resolver: optional; default reads TF_CONFIG.
