@@ -1,0 +1,82 @@
+"""Plain numpy reference of DCT-DP (DCT Algorithm 1) for one variable.
+
+Written straight from the algorithm, one replica at a time, with the
+conventions documented in tf_dct/compression/dct_dp.py: 0-based ascending order
+statistic w_m with m = floor(n * sparsity), i.e. the k-th largest with
+k = n - m (threshold 0 when m = 0), `>=` mask
+(ties selected), at most C entries on the wire (the first ones in flat order),
+threshold refresh when (k - warmup_steps) % L == 0, dense steps (warmup or
+n < min_size) that send g + E and clear E.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from decimal import Decimal
+import math
+
+import numpy as np
+
+
+def reference_capacity(n: int, sparsity: float, capacity_factor: float) -> int:
+  m = math.floor(Decimal(repr(float(sparsity))) * n)
+  expected = n - m
+  return min(n, math.ceil(Decimal(repr(float(capacity_factor))) * expected))
+
+
+@dataclasses.dataclass
+class ReferenceStep:
+  masks: list          # per replica: bool array, entries sent (after capacity)
+  selected: list       # per replica: bool array, |acc| >= tau (before capacity)
+  taus: list           # per replica: threshold used at this step
+  residuals: list      # per replica: residual after this step
+  update: np.ndarray   # sum over replicas of what was sent (float64)
+
+
+def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
+                     capacity_factor, min_size=0, warmup_steps=0):
+  """Runs DCT-DP on a fixed gradient sequence of one variable.
+
+  Args:
+    grads_per_step_per_replica: grads[t][r] is replica r's gradient at step t
+      (all the same shape and float dtype).
+    sparsity, threshold_life, capacity_factor, min_size, warmup_steps: as in
+      `DCTDP`.
+
+  Returns:
+    A list of `ReferenceStep`, one per step.
+  """
+  first = np.asarray(grads_per_step_per_replica[0][0])
+  shape, dtype = first.shape, first.dtype
+  n = first.size
+  replicas = len(grads_per_step_per_replica[0])
+  m = math.floor(Decimal(repr(float(sparsity))) * n)
+  cap = reference_capacity(n, sparsity, capacity_factor)
+  residual = [np.zeros(n, dtype) for _ in range(replicas)]
+  tau = [dtype.type(0) for _ in range(replicas)]
+  out = []
+  for k, grads in enumerate(grads_per_step_per_replica):
+    step = ReferenceStep([], [], [], [], np.zeros(n, np.float64))
+    for r in range(replicas):
+      g = np.asarray(grads[r], dtype).reshape(-1)
+      acc = g + residual[r]                                   # line 2
+      if n < min_size or k < warmup_steps:                    # dense step
+        selected = np.ones(n, bool)
+        sent_mask = selected
+      else:
+        if (k - warmup_steps) % threshold_life == 0:          # line 3
+          w = np.sort(np.abs(acc))                            # line 4, ascending
+          tau[r] = w[m] if m >= 1 else dtype.type(0)          # line 5, 0-based w_m
+        selected = np.abs(acc) >= tau[r]                      # line 9
+        before = np.cumsum(selected) - selected               # selected entries before
+        sent_mask = selected & (before < cap)                 # what fits the wire
+      sent = np.where(sent_mask, acc, dtype.type(0))          # line 10
+      residual[r] = acc - sent                                # line 11
+      step.update += sent                                     # line 12
+      step.masks.append(sent_mask.reshape(shape))
+      step.selected.append(selected.reshape(shape))
+      step.taus.append(tau[r])
+      step.residuals.append(residual[r].reshape(shape).copy())
+    step.update = step.update.reshape(shape)
+    out.append(step)
+  return out

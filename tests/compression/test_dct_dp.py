@@ -1,0 +1,296 @@
+"""Tests for tf_dct.compression.DCTDP against the numpy reference."""
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+import tf_dct
+from tf_dct.compression import DCTDP
+from tf_dct.compression import dct_dp
+from tests import util
+from tests.compression import reference
+
+
+def setUpModule():
+  util.setup_cpus()
+
+
+SHAPES = [(6, 5), (17,)]
+
+
+def _gradients(steps, replicas, seed=0):
+  """grads[t][r][v]: variable 0 continuous, variable 1 full of ties."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(steps):
+    per_replica = []
+    for _ in range(replicas):
+      g0 = rng.normal(size=SHAPES[0]).astype(np.float32)
+      g1 = (np.round(rng.normal(size=SHAPES[1]) * 2) / 2).astype(np.float32)
+      per_replica.append([g0, g1])
+    out.append(per_replica)
+  return out
+
+
+def _run(compressor, grads, replicas, jit_compile=False, shapes=SHAPES):
+  """Feeds grads[t][r][v] to `compressor` on `replicas` replicas.
+
+  Returns per step: the aggregated gradients per replica, and the state of
+  each compressed variable ({name: per-replica numpy list}).
+  """
+  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
+                           input_replication=tf_dct.PER_REPLICA,
+                           jit_compile=jit_compile)
+  compressor.bind(repl)
+  with repl.scope():
+    variables = [tf.Variable(tf.zeros(s), name=f"w{i}") for i, s in enumerate(shapes)]
+  steps = len(grads)
+
+  def input_fn(replica_id):
+    return tf.data.Dataset.from_tensor_slices(tuple(
+        np.stack([grads[t][replica_id][v] for t in range(steps)])
+        for v in range(len(shapes))))
+
+  def step_fn(g):
+    return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
+
+  history = []
+  for _ in range(steps):
+    out = util.local(repl, repl.run(step_fn, input_fn))
+    states = [{key: s.numpy() for key, s in st.items()}
+              for st in compressor._states_for(variables)]  # pylint: disable=protected-access
+    history.append((out, states))
+  return repl, step_fn, history
+
+
+class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
+
+  def _compare(self, compressor, grads, replicas, kwargs, jit_compile=False):
+    repl, step_fn, history = _run(compressor, grads, replicas,
+                                  jit_compile=jit_compile)
+    for v in range(len(SHAPES)):
+      ref = reference.dct_dp_reference([[g[v] for g in step] for step in grads],
+                                       **kwargs)
+      for t, (ref_step, (out, states)) in enumerate(zip(ref, history)):
+        st = states[v]
+        for r in range(replicas):
+          # Every replica applies the same update, the reference's sum.
+          self.assertAllClose(out[r][v], ref_step.update, atol=1e-6, rtol=0,
+                              msg=f"update var {v} step {t} replica {r}")
+          if st:  # compressed variable: residual and threshold match exactly
+            self.assertAllEqual(st["residual"][r], ref_step.residuals[r],
+                                msg=f"residual var {v} step {t} replica {r}")
+            self.assertEqual(st["threshold"][r], ref_step.taus[r],
+                             msg=f"tau var {v} step {t} replica {r}")
+            self.assertEqual(st["sent"][r], ref_step.masks[r].sum())
+            self.assertEqual(st["overflow"][r],
+                             ref_step.selected[r].sum() - ref_step.masks[r].sum())
+            self.assertEqual(st["step"][r], t + 1)
+          else:
+            self.assertAllEqual(ref_step.residuals[r], np.zeros(SHAPES[v]))
+    return repl, step_fn, history
+
+  @parameterized.named_parameters(
+      ("1_replica", 1, {}),
+      ("2_replicas", 2, {}),
+      ("4_replicas", 4, {}),
+      ("2_replicas_warmup_min_size", 2, {"warmup_steps": 3, "min_size": 20}),
+  )
+  def test_matches_reference(self, replicas, extra):
+    kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5, **extra)
+    grads = _gradients(12, replicas, seed=replicas)
+    _, _, history = self._compare(DCTDP(**kwargs), grads, replicas, kwargs)
+    # The run exercised what it is meant to: sparse steps and, thanks to the
+    # tied variable, threshold ties beyond capacity.
+    sent = np.array([h[1][0]["sent"] for h in history])
+    self.assertLess(sent[extra.get("warmup_steps", 0):].max(), 30)
+    overflow = np.array([h[1][1].get("overflow", [0]) for h in history])
+    if "min_size" not in extra:
+      self.assertGreater(overflow.max(), 0)
+
+  def test_capacity_overflow_keeps_the_rest(self):
+    # Step 0 sets tau from small gradients; tau is reused (life 100) when
+    # step 1 brings gradients far above it everywhere.
+    n, replicas = 40, 2
+    kwargs = dict(sparsity=0.9, threshold_life=100, capacity_factor=1.0)
+    cap = dct_dp.capacity(n, 0.9, 1.0)
+    self.assertEqual(cap, 4)  # m = 36, a fresh tau selects k = 40 - 36 = 4
+    rng = np.random.default_rng(3)
+    small = [[rng.normal(size=(n,)).astype(np.float32) * 1e-3]
+             for _ in range(replicas)]
+    big = [[rng.uniform(1.0, 2.0, size=(n,)).astype(np.float32)]
+           for _ in range(replicas)]
+    grads = [small, big]
+    _, _, history = _run(DCTDP(**kwargs), grads, replicas, shapes=[(n,)])
+    ref = reference.dct_dp_reference([[g[0] for g in s] for s in grads], **kwargs)
+    (out0, st0), (out1, st1) = history
+    state0, state1 = st0[0], st1[0]
+    self.assertAllEqual(state1["threshold"], state0["threshold"])  # reused
+    for r in range(replicas):
+      self.assertEqual(state1["sent"][r], cap)
+      self.assertEqual(state1["overflow"][r], n - cap)
+      acc = big[r][0] + state0["residual"][r]
+      # The first `cap` entries went out; everything else stayed behind.
+      self.assertAllEqual(state1["residual"][r][:cap], np.zeros(cap))
+      self.assertAllEqual(state1["residual"][r][cap:], acc[cap:])
+      self.assertAllEqual(state1["residual"][r], ref[1].residuals[r])
+    # Conservation: applied updates + residuals == all gradients fed in.
+    total_grads = sum(g[r][0] for g in grads for r in range(replicas))
+    applied = out0[0][0] + out1[0][0]
+    self.assertAllClose(applied + sum(state1["residual"]), total_grads,
+                        atol=1e-6, rtol=0)
+
+  def test_compiles_with_xla(self):
+    kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5,
+                  warmup_steps=1, min_size=20)
+    grads = _gradients(7, 1, seed=11)
+    # jit_compile=True turns any op XLA cannot compile into an error, so the
+    # run itself proves the step (dense, warmup and sparse paths) compiles.
+    repl, step_fn, _ = self._compare(DCTDP(**kwargs), grads, 1, kwargs,
+                                     jit_compile=True)
+    step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
+    self.assertTrue(step.replicated_step._jit_compile)  # pylint: disable=protected-access
+
+
+class ConservationTest(tf.test.TestCase):
+  """SGD(lr=1): w0 - w_T + sum_r E_T == sum_t sum_r g_t (nothing is lost)."""
+
+  def test_conservation_with_checkpoint(self):
+    replicas, steps = 4, 200
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
+                             input_replication=tf_dct.PER_REPLICA)
+    compressor = DCTDP(sparsity=0.9, threshold_life=7, capacity_factor=1.5)
+    with repl.scope():
+      model = tf_keras.Sequential([tf_keras.Input((4,)),
+                                   tf_keras.layers.Dense(8, activation="tanh"),
+                                   tf_keras.layers.Dense(1)])
+      opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(1.0),
+                                compression=compressor)
+    w0 = [w.numpy() for w in model.trainable_variables]
+    seen = [repl.per_replica_state(tf.zeros_like(w), name=f"seen{i}")
+            for i, w in enumerate(model.trainable_variables)]
+
+    def input_fn(replica_id):
+      rng = np.random.default_rng(replica_id)
+      x = rng.normal(size=(64, 4)).astype(np.float32)
+      y = (np.sin(x.sum(1, keepdims=True))).astype(np.float32)
+      return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+
+    def step_fn(batch):
+      x, y = batch
+      with tf.GradientTape() as tape:
+        loss = 0.02 * tf.reduce_mean(tf.square(model(x) - y)) / replicas
+      grads = tape.gradient(loss, model.trainable_variables)
+      for s, g in zip(seen, grads):
+        s.local().assign_add(g)
+      opt.apply_gradients(zip(grads, model.trainable_variables))
+      return loss
+
+    def residuals():
+      return [compressor._states_for([v])[0]["residual"]  # pylint: disable=protected-access
+              for v in model.trainable_variables]
+
+    for _ in range(steps // 2):
+      repl.run(step_fn, input_fn)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+    path = ckpt.save(self.create_tempdir().full_path + "/ckpt")
+    saved = [r.numpy() for r in residuals()]
+    rng = np.random.default_rng(5)
+    for r in residuals():
+      r.assign_all([rng.normal(size=v.shape).astype(v.dtype) for v in r.numpy()])
+    ckpt.restore(path).assert_existing_objects_matched()
+    for want, r in zip(saved, residuals()):
+      for w, got in zip(want, r.numpy()):
+        self.assertAllEqual(got, w)
+    for _ in range(steps - steps // 2):
+      repl.run(step_fn, input_fn)
+
+    for i, var in enumerate(model.trainable_variables):
+      lhs = w0[i] - var.numpy() + sum(residuals()[i].numpy())
+      rhs = sum(seen[i].numpy())
+      scale = np.abs(rhs).max()
+      self.assertGreater(scale, 1e-3)
+      self.assertAllClose(lhs, rhs, atol=1e-5 * scale, rtol=0)
+    # Replicas held back different errors (per-replica state). (The 1-entry
+    # output bias has m = floor(0.9) = 0: always sent whole, residual 0.)
+    res = residuals()[0].numpy()
+    self.assertNotAllClose(res[0], res[1])
+    self.assertAllEqual(residuals()[3].numpy(), np.zeros((replicas, 1)))
+
+
+class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("sparsity_zero", {"sparsity": 0.0}, "sparsity must be a number in \\(0, 1\\)"),
+      ("sparsity_one", {"sparsity": 1.0}, "sparsity must be a number in \\(0, 1\\)"),
+      ("sparsity_str", {"sparsity": "0.9"}, "sparsity"),
+      ("sparsity_nan", {"sparsity": float("nan")}, "sparsity"),
+      ("life_zero", {"threshold_life": 0}, "threshold_life must be an int >= 1"),
+      ("life_float", {"threshold_life": 5.0}, "threshold_life must be an int"),
+      ("life_bool", {"threshold_life": True}, "threshold_life"),
+      ("capacity_low", {"capacity_factor": 0.5}, "capacity_factor must be a number >= 1"),
+      ("capacity_inf", {"capacity_factor": float("inf")}, "capacity_factor"),
+      ("min_size_negative", {"min_size": -1}, "min_size must be an int >= 0"),
+      ("min_size_float", {"min_size": 1.5}, "min_size"),
+      ("warmup_negative", {"warmup_steps": -2}, "warmup_steps must be an int >= 0"),
+      ("warmup_none", {"warmup_steps": None}, "warmup_steps"),
+  )
+  def test_bad_argument(self, kwargs, message):
+    with self.assertRaisesRegex(ValueError, message):
+      DCTDP(**kwargs)
+
+  def test_conventions(self):
+    self.assertEqual(dct_dp.num_below(100, 0.29), 29)   # not 28
+    self.assertEqual(dct_dp.capacity(100, 0.99, 2.0), 2)  # 2 * K, K = 100 - 99
+    self.assertEqual(dct_dp.capacity(5, 0.1, 2.0), 5)     # m = 0: all of n
+    self.assertEqual(dct_dp.capacity(10, 0.5, 1.1), 6)    # ceil(1.1 * 5)
+
+  def test_non_float_variable(self):
+    repl = tf_dct.Replicator(["/cpu:0"])
+    compressor = DCTDP()
+    compressor.bind(repl)
+    with repl.scope():
+      counter = tf.Variable(tf.zeros([3], tf.int32), name="counter")
+    with self.assertRaisesRegex(TypeError, "counter.*int32"):
+      compressor._states_for([counter])  # pylint: disable=protected-access
+
+  def test_non_finite_gradient_leaves_state_alone(self):
+    # Step 2: one NaN in the second variable of replica 1 only. Neither
+    # replica's state may move (replica 0 must not run ahead), and the next
+    # finite step proceeds normally.
+    replicas = 2
+    grads = _gradients(4, replicas, seed=4)
+    grads[2][1][1][3] = np.nan
+    compressor = DCTDP(sparsity=0.8, threshold_life=5, capacity_factor=1.5)
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
+                             input_replication=tf_dct.PER_REPLICA)
+    compressor.bind(repl)
+    with repl.scope():
+      variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
+
+    def input_fn(replica_id):
+      return tf.data.Dataset.from_tensor_slices(tuple(
+          np.stack([g[replica_id][v] for g in grads]) for v in range(2)))
+
+    def step_fn(g):
+      return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
+
+    repl.run(step_fn, input_fn)
+    repl.run(step_fn, input_fn)
+    states = compressor._states_for(variables)  # pylint: disable=protected-access
+    before = [{k: s.numpy() for k, s in st.items()} for st in states]
+    self.assertTrue(np.any(before[0]["residual"][0] != 0))
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "non-finite gradient for variable"):
+      repl.run(step_fn, input_fn)
+    for want, st in zip(before, states):  # no replica's state moved
+      for key, s in st.items():
+        self.assertAllEqual(s.numpy(), want[key], msg=key)
+    repl.run(step_fn, input_fn)
+    for st in states:
+      self.assertAllEqual(st["step"].numpy(), [3, 3])
+
+
+if __name__ == "__main__":
+  tf.test.main()
