@@ -59,7 +59,7 @@ def _run(compressor, grads, replicas, jit_compile=False, shapes=SHAPES):
   for _ in range(steps):
     out = util.local(repl, repl.run(step_fn, input_fn))
     states = [{key: s.numpy() for key, s in st.items()}
-              for st in compressor._states_for(variables)]  # pylint: disable=protected-access
+              for st in (compressor.state_for(v) for v in variables)]
     history.append((out, states))
   return repl, step_fn, history
 
@@ -188,7 +188,7 @@ class ConservationTest(tf.test.TestCase):
       return loss
 
     def residuals():
-      return [compressor._states_for([v])[0]["residual"]  # pylint: disable=protected-access
+      return [compressor.state_for(v)["residual"]
               for v in model.trainable_variables]
 
     for _ in range(steps // 2):
@@ -253,7 +253,7 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
     with repl.scope():
       counter = tf.Variable(tf.zeros([3], tf.int32), name="counter")
     with self.assertRaisesRegex(TypeError, "counter.*int32"):
-      compressor._states_for([counter])  # pylint: disable=protected-access
+      compressor.state_for(counter)
 
   def test_non_finite_gradient_leaves_state_alone(self):
     # Step 2: one NaN in the second variable of replica 1 only. Neither
@@ -278,7 +278,7 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
 
     repl.run(step_fn, input_fn)
     repl.run(step_fn, input_fn)
-    states = compressor._states_for(variables)  # pylint: disable=protected-access
+    states = [compressor.state_for(v) for v in variables]
     before = [{k: s.numpy() for k, s in st.items()} for st in states]
     self.assertTrue(np.any(before[0]["residual"][0] != 0))
     with self.assertRaisesRegex(tf.errors.InvalidArgumentError,

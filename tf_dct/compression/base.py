@@ -48,7 +48,13 @@ class Compressor(tf.Module):
   def reduce(self, ctx: tf.distribute.ReplicaContext,
              grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
              states: Sequence[dict]) -> list:
-    """Returns, per variable, the cross-replica sum of what was sent."""
+    """Returns, per variable, the cross-replica sum of what was sent.
+
+    Runs once per replica per step, in replica context. Every replica must
+    issue the same collectives in the same order, and none inside `tf.cond`
+    or a loop (MirroredStrategy's merge_call forbids it): select with masks
+    and static shapes instead of branching around a collective.
+    """
     raise NotImplementedError
 
   # -- shared machinery -----------------------------------------------------------
@@ -58,6 +64,10 @@ class Compressor(tf.Module):
       raise RuntimeError("bind the compressor (replicator.wrap_optimizer) before "
                          "creating state")
     return self._replicator.per_replica_state(initial_value, name=name)
+
+  def state_for(self, variable: tf.Variable) -> dict:
+    """The per-replica state of `variable` (created on first use)."""
+    return self._states_for([variable])[0]
 
   def _states_for(self, variables) -> list[dict]:
     with self._lock:
