@@ -1,0 +1,1 @@
+"""Readers and synthetic generators for the models' data."""
