@@ -45,6 +45,14 @@ class RunTest(tf.test.TestCase):
     with self.assertRaises(tf.errors.OutOfRangeError):
       self.repl.run(step_fn, input_fn)
 
+  def test_recreated_input_fn_warns(self):
+    ds = tf.data.Dataset.from_tensor_slices(_rows(16)).batch(8)
+    step_fn = lambda x: x
+    make_input_fn = lambda: (lambda ctx: ds)  # a new object, same code, per call
+    self.repl.run(step_fn, make_input_fn())
+    with self.assertWarnsRegex(UserWarning, "same code as one used before"):
+      self.repl.run(step_fn, make_input_fn())
+
   def test_input_fn_gets_an_input_context(self):
     seen = []
 

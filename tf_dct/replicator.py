@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Callable, Sequence
 
 import tensorflow as tf
@@ -145,6 +146,14 @@ class ReplicatorMixin:
   def _replicated_input(self, input_fn) -> input_pipeline.ReplicatedInput:
     with self._cache_lock:
       if input_fn not in self._inputs:
+        code = getattr(input_fn, "__code__", None)
+        if code is not None and any(
+            getattr(f, "__code__", None) is code for f in self._inputs):
+          warnings.warn(
+              "run(step_fn, input_fn): this input_fn is a new object with the "
+              "same code as one used before, so its input starts again from "
+              "the beginning and the step is traced again. Pass the same "
+              "function object on every step.", stacklevel=4)
         self._inputs[input_fn] = input_pipeline.ReplicatedInput(
             input_fn, self._input_replication, self._input_split_fn,
             num_local_replicas=len(self.replica_devices),
