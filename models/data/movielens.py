@@ -1,0 +1,255 @@
+"""MovieLens ratings as implicit feedback for NCF: readers, splits, negatives.
+
+Two file formats are read: `ratings.csv` (MovieLens 20M/25M: a header, then
+`userId,movieId,rating,timestamp`) and `u.data` (MovieLens 100K: tab-separated
+`user item rating timestamp`, no header). Malformed rows raise a ValueError
+naming `path:line`. Every rating counts as one positive interaction (as in the
+NCF paper); ids are remapped to contiguous ranges; the latest interaction of
+each user is held out for testing (leave-one-out), and ranked against sampled
+items the user never interacted with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import dataclasses
+import functools
+import os
+
+import numpy as np
+import tensorflow as tf
+
+CSV_HEADER = ("userId", "movieId", "rating", "timestamp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratings:
+  """Raw ratings, one entry per row, in file order."""
+  users: np.ndarray  # int64
+  items: np.ndarray  # int64
+  ratings: np.ndarray  # float32
+  timestamps: np.ndarray  # int64
+
+
+@dataclasses.dataclass(frozen=True)
+class Interactions:
+  """Implicit feedback with contiguous ids: user u in [0, num_users)."""
+  users: np.ndarray  # int32
+  items: np.ndarray  # int32
+  timestamps: np.ndarray  # int64
+  num_users: int
+  num_items: int
+  user_ids: np.ndarray | None = None  # original id of each user index
+  item_ids: np.ndarray | None = None  # original id of each item index
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalData:
+  """Ranking candidates: `items[u, 0]` is user `users[u]`'s held-out positive,
+  `items[u, 1:]` are sampled negatives."""
+  users: np.ndarray  # int32 [U]
+  items: np.ndarray  # int32 [U, 1 + negatives]
+
+
+def _parse(path: str, sep: str, header: tuple[str, ...] | None) -> Ratings:
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"MovieLens ratings file not found: {path}")
+  rows = []
+  with open(path, encoding="utf-8", newline="") as f:
+    for number, line in enumerate(f, start=1):
+      line = line.rstrip("\r\n")
+      if number == 1 and header is not None:
+        if tuple(c.strip() for c in line.split(sep)) != header:
+          raise ValueError(f"{path}:1: expected header {','.join(header)!r}, got {line!r}")
+        continue
+      if not line.strip():
+        continue  # blank lines, e.g. at the end
+      fields = line.split(sep)
+      if len(fields) != 4:
+        raise ValueError(f"{path}:{number}: expected 4 fields separated by "
+                         f"{sep!r}, got {len(fields)}: {line!r}")
+      try:
+        rows.append((int(fields[0]), int(fields[1]), float(fields[2]), int(fields[3])))
+      except ValueError:
+        raise ValueError(f"{path}:{number}: expected integer user, item and "
+                         f"timestamp and a numeric rating, got {line!r}") from None
+  table = np.array(rows, dtype=np.float64).reshape(-1, 4)
+  return Ratings(table[:, 0].astype(np.int64), table[:, 1].astype(np.int64),
+                 table[:, 2].astype(np.float32), table[:, 3].astype(np.int64))
+
+
+def read_ratings_csv(path: str) -> Ratings:
+  """Reads MovieLens `ratings.csv` (header `userId,movieId,rating,timestamp`)."""
+  return _parse(path, ",", CSV_HEADER)
+
+
+def read_u_data(path: str) -> Ratings:
+  """Reads MovieLens 100K `u.data` (tab-separated, no header)."""
+  return _parse(path, "\t", None)
+
+
+def read_dir(data_dir: str) -> Ratings:
+  """Reads `ratings.csv` or `u.data` from `data_dir` (in that preference)."""
+  if not os.path.isdir(data_dir):
+    raise FileNotFoundError(f"MovieLens data directory not found: {data_dir}")
+  for name, reader in (("ratings.csv", read_ratings_csv), ("u.data", read_u_data)):
+    path = os.path.join(data_dir, name)
+    if os.path.isfile(path):
+      return reader(path)
+  raise FileNotFoundError(f"no MovieLens ratings in {data_dir} "
+                          "(expected ratings.csv or u.data)")
+
+
+def to_implicit(ratings: Ratings, min_rating: float = 0.0) -> Interactions:
+  """Keeps ratings >= min_rating as positives; remaps ids to 0..n-1 (sorted)."""
+  keep = ratings.ratings >= min_rating
+  user_ids, users = np.unique(ratings.users[keep], return_inverse=True)
+  item_ids, items = np.unique(ratings.items[keep], return_inverse=True)
+  return Interactions(users.astype(np.int32), items.astype(np.int32),
+                      ratings.timestamps[keep], len(user_ids), len(item_ids),
+                      user_ids, item_ids)
+
+
+def leave_one_out(data: Interactions) -> tuple[Interactions, Interactions]:
+  """Splits off each user's latest interaction (the later row on a tie).
+
+  Returns:
+    (train, test): test has exactly one interaction per user, train the rest.
+  """
+  n = len(data.users)
+  order = np.lexsort((np.arange(n), data.timestamps, data.users))
+  last = np.ones(n, dtype=bool)
+  last[:-1] = data.users[order][1:] != data.users[order][:-1]
+  test = np.zeros(n, dtype=bool)
+  test[order[last]] = True
+
+  def pick(mask):
+    return dataclasses.replace(data, users=data.users[mask], items=data.items[mask],
+                               timestamps=data.timestamps[mask])
+
+  return pick(~test), pick(test)
+
+
+def _keys(users: np.ndarray, items: np.ndarray, num_items: int) -> np.ndarray:
+  return users.astype(np.int64) * num_items + items
+
+
+def sample_negatives(users: np.ndarray, num_negatives: int, positives: Interactions,
+                     rng: np.random.Generator) -> np.ndarray:
+  """For each user in `users`, `num_negatives` items it never interacted with.
+
+  Items are uniform over the catalogue, redrawn while they hit one of the
+  user's interactions in `positives`; drawn with replacement.
+
+  Returns:
+    int32 [len(users), num_negatives].
+  """
+  seen = np.unique(_keys(positives.users, positives.items, positives.num_items))
+  counts = np.bincount(positives.users, minlength=positives.num_users)
+  if len(users) and np.max(counts[users]) >= positives.num_items:
+    raise ValueError("cannot sample negatives: a user has interacted with all "
+                     f"{positives.num_items} items")
+  items = rng.integers(0, positives.num_items, size=(len(users), num_negatives))
+  row_users = np.repeat(users, num_negatives).reshape(items.shape)
+  while True:
+    keys = _keys(row_users, items, positives.num_items)
+    pos = np.searchsorted(seen, keys).clip(max=len(seen) - 1)
+    bad = seen[pos] == keys
+    if not bad.any():
+      return items.astype(np.int32)
+    items[bad] = rng.integers(0, positives.num_items, size=int(bad.sum()))
+
+
+def eval_data(train: Interactions, test: Interactions, num_negatives: int = 99,
+              seed: int = 0) -> EvalData:
+  """One held-out positive plus `num_negatives` unseen items per test user."""
+  everything = dataclasses.replace(
+      train, users=np.concatenate([train.users, test.users]),
+      items=np.concatenate([train.items, test.items]),
+      timestamps=np.concatenate([train.timestamps, test.timestamps]))
+  rng = np.random.default_rng([seed, 99])
+  negatives = sample_negatives(test.users, num_negatives, everything, rng)
+  return EvalData(test.users.copy(), np.concatenate([test.items[:, None], negatives], 1))
+
+
+def training_batches(train: Interactions, batch_size: int, num_negatives: int = 4,
+                     seed: int = 0, chunk: int = 1 << 18
+                     ) -> Iterator[tuple[tuple[np.ndarray, np.ndarray], np.ndarray]]:
+  """Endless shuffled `((users, items), labels)` batches with fresh negatives.
+
+  Every positive comes with `num_negatives` items the user did not interact
+  with, redrawn each epoch; deterministic for a seed.
+  """
+  epoch = 0
+  carry = None
+  while True:
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(train.users))
+    for start in range(0, len(order), chunk):
+      idx = order[start:start + chunk]
+      users = train.users[idx]
+      negatives = sample_negatives(users, num_negatives, train, rng)
+      u = np.concatenate([users, np.repeat(users, num_negatives)])
+      i = np.concatenate([train.items[idx], negatives.reshape(-1)])
+      y = np.concatenate([np.ones(len(idx)), np.zeros(negatives.size)]).astype(np.float32)
+      perm = rng.permutation(len(u))
+      part = (u[perm].astype(np.int32), i[perm].astype(np.int32), y[perm])
+      if carry is not None:
+        part = tuple(np.concatenate([a, b]) for a, b in zip(carry, part))
+      full = len(part[0]) // batch_size * batch_size
+      for s in range(0, full, batch_size):
+        yield (part[0][s:s + batch_size], part[1][s:s + batch_size]), \
+            part[2][s:s + batch_size, None]
+      carry = tuple(a[full:] for a in part)
+    epoch += 1
+
+
+def training_dataset(train: Interactions, batch_size: int, num_negatives: int = 4,
+                     seed: int = 0) -> tf.data.Dataset:
+  """`training_batches` as a tf.data.Dataset of `((users, items), labels)`."""
+  spec = ((tf.TensorSpec([batch_size], tf.int32), tf.TensorSpec([batch_size], tf.int32)),
+          tf.TensorSpec([batch_size, 1], tf.float32))
+  return tf.data.Dataset.from_generator(
+      functools.partial(training_batches, train, batch_size, num_negatives, seed),
+      output_signature=spec).prefetch(2)
+
+
+# --- synthetic data ------------------------------------------------------------
+
+
+def teacher_scores(seed: int = 0, num_users: int = 400, num_items: int = 300,
+                   dim: int = 8) -> np.ndarray:
+  """The hidden teacher's affinity [num_users, num_items]: u·v + item bias."""
+  rng = np.random.default_rng([seed, 11])
+  u = rng.normal(size=(num_users, dim))
+  v = rng.normal(size=(num_items, dim))
+  bias = rng.normal(size=num_items) * 0.5
+  return u @ v.T / np.sqrt(dim) * 2.0 + bias
+
+
+def synthetic_ratings(seed: int = 0, num_users: int = 400, num_items: int = 300,
+                      per_user: int = 20, dim: int = 8) -> Ratings:
+  """Ratings drawn from a hidden latent-factor teacher, deterministic per seed.
+
+  User u (id u+1) picks `per_user` distinct items (item i has id i+1) with
+  probability proportional to exp(teacher_scores[u, i]), at timestamps in
+  random order, so the held-out item is predictable from the others. Every
+  rating is 5.
+  """
+  scores = teacher_scores(seed, num_users, num_items, dim)
+  rng = np.random.default_rng([seed, 12])
+  gumbel = scores - np.log(-np.log(rng.uniform(size=scores.shape)))
+  items = np.argsort(-gumbel, axis=1)[:, :per_user]  # sampling w/o replacement
+  n = num_users * per_user
+  return Ratings(np.repeat(np.arange(num_users) + 1, per_user).astype(np.int64),
+                 items.reshape(-1).astype(np.int64) + 1,
+                 np.full(n, 5.0, np.float32),
+                 rng.permutation(n).astype(np.int64) + 1_000_000_000)
+
+
+def write_ratings_csv(path: str, ratings: Ratings) -> None:
+  """Writes `ratings` in the `ratings.csv` format (for smoke runs of --data_dir)."""
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(",".join(CSV_HEADER) + "\n")
+    for row in zip(ratings.users, ratings.items, ratings.ratings, ratings.timestamps):
+      f.write(f"{row[0]},{row[1]},{row[2]:g},{row[3]}\n")

@@ -1,0 +1,110 @@
+"""Tests for models/data/criteo.py: the TSV reader and the synthetic generator."""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from models.data import criteo
+from tests import util
+
+
+def setUpModule():
+  util.setup_cpus()
+
+
+def _row(label="1", ints=None, cats=None) -> str:
+  ints = [str(i) for i in range(criteo.NUM_DENSE)] if ints is None else ints
+  cats = [f"{j:08x}" for j in range(criteo.NUM_SPARSE)] if cats is None else cats
+  return "\t".join([label, *ints, *cats]) + "\n"
+
+
+class ReaderTest(tf.test.TestCase):
+
+  def _write(self, text: str) -> str:
+    path = os.path.join(self.get_temp_dir(), "day.tsv")
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(text)
+    return path
+
+  def test_parses_exact_values(self):
+    ints = ["5", "", "-3", "0"] + ["1"] * 9
+    cats = ["", "68fd1e64"] + ["0"] * 24
+    path = self._write(_row() + _row("0", ints, cats))
+    (dense, sparse), label = next(iter(criteo.read_tsv(path, batch_size=2, vocab_sizes=7)))
+    self.assertAllEqual(label, [[1.0], [0.0]])
+    self.assertAllClose(dense[0], np.log1p(np.arange(13)))
+    self.assertAllClose(dense[1, :4], [np.log(6.0), 0.0, 0.0, 0.0])  # empty, negative -> 0
+    self.assertEqual(sparse.dtype, tf.int32)
+    want = tf.strings.to_hash_bucket_fast(["68fd1e64", "0"], 6).numpy() + 1
+    self.assertEqual(sparse[1, 0], 0)  # empty -> the missing id
+    self.assertAllEqual(sparse[1, 1:3], want)
+    self.assertAllInRange(sparse, 0, 6)
+
+  def test_per_feature_vocab_and_batches_across_files(self):
+    a, b = self._write(_row() * 3), os.path.join(self.get_temp_dir(), "b.tsv")
+    with open(b, "w", encoding="utf-8") as f:
+      f.write(_row("0") * 3)
+    sizes = [2] * 13 + [1000] * 13
+    batches = list(criteo.read_tsv([a, b], 4, sizes, drop_remainder=True))
+    self.assertLen(batches, 1)
+    (_, sparse), label = batches[0]
+    self.assertAllEqual(label[:, 0], [1, 1, 1, 0])
+    self.assertAllEqual(sparse[:, :13], np.ones((4, 13)))  # vocab 2: one non-missing bucket
+
+  def test_malformed_rows_name_file_and_line(self):
+    cases = {
+        _row()[:-1] + "\textra\n": r"day.tsv:2: expected 40 tab-separated fields, got 41",
+        _row(label="2"): r"day.tsv:2: label must be 0 or 1, got `2`",
+        _row(ints=["1"] * 4 + ["1.5"] + ["1"] * 8): r"day.tsv:2: integer feature I5 is not "
+                                                   r"an integer: `1.5`",
+    }
+    for bad, message in cases.items():
+      path = self._write(_row() + bad + _row())
+      with self.assertRaisesRegex(ValueError, message):  # eager check, small file
+        criteo.read_tsv(path, 2)
+      lines = tf.constant([r.rstrip("\n") for r in (_row(), bad, _row())])
+      with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):  # in-graph check
+        criteo._parse_lines(lines, tf.constant([1, 2, 3], tf.int64), path, [10] * 26)  # pylint: disable=protected-access
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):  # big-file path
+      list(criteo.read_tsv(path, 2, eager_check_bytes=0))
+
+  def test_missing_paths(self):
+    missing = os.path.join(self.get_temp_dir(), "nope.tsv")
+    with self.assertRaisesRegex(FileNotFoundError, "nope.tsv"):
+      criteo.read_tsv(missing, 2)
+    with self.assertRaisesRegex(FileNotFoundError, "no_dir"):
+      criteo.find_files(os.path.join(self.get_temp_dir(), "no_dir"))
+
+  def test_synthetic_file_round_trips_through_reader(self):
+    path = os.path.join(self.get_temp_dir(), "train.txt")
+    criteo.write_tsv(path, 64, seed=3)
+    self.assertEqual(criteo.find_files(self.get_temp_dir()), [path])
+    (dense, _), label = next(iter(criteo.read_tsv(path, 64, 1000)))
+    (want_dense, _), want_label = next(iter(criteo.synthetic_dataset(64, seed=3)))
+    self.assertAllEqual(label, want_label)
+    self.assertAllClose(dense, want_dense, atol=1e-5)
+
+
+class SyntheticTest(tf.test.TestCase):
+
+  def test_deterministic_per_seed(self):
+    take = lambda seed: list(criteo.synthetic_dataset(16, seed, vocab_sizes=50).take(2))
+    first, again, other = take(1), take(1), take(2)
+    tf.nest.map_structure(self.assertAllEqual, first, again)
+    self.assertNotAllEqual(first[0][1], other[0][1])
+    (dense, sparse), label = first[0]
+    self.assertEqual((dense.shape, sparse.shape, label.shape), ((16, 13), (16, 26), (16, 1)))
+    self.assertEqual(sparse.dtype, tf.int32)
+    self.assertAllInRange(sparse, 0, 49)
+
+  def test_teacher_beats_chance(self):
+    (dense, sparse), label = next(iter(criteo.synthetic_dataset(2048, seed=0, split="eval")))
+    logits = criteo.Teacher(0).logits(dense, sparse)
+    accuracy = np.mean((logits.numpy() > 0) == (label.numpy() > 0.5))
+    self.assertBetween(float(np.mean(label)), 0.35, 0.65)  # balanced classes
+    self.assertGreater(accuracy, 0.75)
+
+
+if __name__ == "__main__":
+  tf.test.main()
