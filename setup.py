@@ -15,6 +15,7 @@ setup(
         "keras>=3.10,<4",
         "tensorflow-recommenders==0.7.7",
         "tensorflow-text>=2.21,<2.22",
+        "tensorboard>=2.21,<2.22",  # tf.summary.scalar; TF 2.21 no longer depends on it
         "absl-py",
         "numpy",
     ],

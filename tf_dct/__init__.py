@@ -6,6 +6,8 @@ The replicators extend TensorFlow's own strategies with the TF-Replicator API;
 """
 
 from tf_dct import compression
+from tf_dct import layers
+from tf_dct import ops
 from tf_dct.factory import create_replicator, split_cpu
 from tf_dct.input_pipeline import PER_REPLICA, PER_WORKER, split_batch
 from tf_dct.multi_worker import MultiWorkerReplicator
@@ -17,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PER_REPLICA", "PER_WORKER", "MultiWorkerReplicator", "PerReplicaState",
-    "Replicator", "TpuReplicator", "compression", "create_replicator",
+    "Replicator", "TpuReplicator", "compression", "create_replicator", "layers",
+    "ops",
     "split_batch", "split_cpu",
 ]

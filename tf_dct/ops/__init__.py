@@ -1,0 +1,24 @@
+"""DCT-MP activation compression ops (DCT Algorithm 2) and Appendix-A baselines.
+
+Core ops know nothing of Keras; `tf_dct.layers` wraps them as layers.
+"""
+
+from tf_dct.ops.compact_transfer import compact
+from tf_dct.ops.compact_transfer import compact_bytes
+from tf_dct.ops.compact_transfer import dct_mp_transfer
+from tf_dct.ops.compact_transfer import dense_bytes
+from tf_dct.ops.compact_transfer import densify
+from tf_dct.ops.compact_transfer import index_dtype_for
+from tf_dct.ops.dct_mp import dct_mp
+from tf_dct.ops.dct_mp import dct_mp_mask
+from tf_dct.ops.dct_mp import num_dropped
+from tf_dct.ops.dct_mp import num_kept
+from tf_dct.ops.gaussian_sketch import gaussian_sketch
+from tf_dct.ops.gaussian_sketch import sketch_matrix
+from tf_dct.ops.xgrad_topk import xgrad_topk
+
+__all__ = [
+    "compact", "compact_bytes", "dct_mp", "dct_mp_mask", "dct_mp_transfer",
+    "dense_bytes", "densify", "gaussian_sketch", "index_dtype_for",
+    "num_dropped", "num_kept", "sketch_matrix", "xgrad_topk",
+]

@@ -1,0 +1,140 @@
+"""DCT-MP across a device boundary: only the compact form crosses.
+
+`dct_mp_transfer(x, sparsity, target_device)` computes the DCT-MP mask on the
+source device (where `x` lives), sends per row the k kept values and their
+column indices, and densifies on the target device. Backward, the target
+gathers the incoming gradient at the same k indices, sends that compact
+gradient back and the source densifies it. The result and the gradient are bit
+for bit those of `dct_mp(x, sparsity)` (dropped entries are +0).
+
+Wire format per row: k values in x's dtype plus k indices in the smallest
+integer type that holds d - 1: uint8 for d <= 256, int16 for d <= 32768, int32
+above. The receiver casts indices back to int32 for gather/scatter; the narrow
+type is what crosses the boundary. All shapes are static in d and k, so the
+op compiles with `jit_compile=True` (on one device: XLA compiles a cluster for
+a single device).
+
+Backward placement. This op pins its own backward ops (gather on the target,
+densify on the source). The backward ops of the layers after the split are
+placed by TensorFlow: `tf.gradients` (inside a tf.function) puts each next to
+its forward op, while `tf.GradientTape` puts them under the device scope where
+`tape.gradient` is called, so with a tape the dense gradient of the layers on
+the target may be computed on the source and cross before being compacted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Union
+
+import tensorflow as tf
+
+from tf_dct.ops.dct_mp import check_input
+from tf_dct.ops.dct_mp import top_k_indices
+
+DeviceLike = Union[str, Callable[[], ContextManager], None]
+
+
+def index_dtype_for(d: int) -> tf.DType:
+  """The narrowest index type on the wire for a last axis of size d."""
+  if d <= 256:
+    return tf.uint8
+  if d <= 32768:
+    return tf.int16
+  return tf.int32
+
+
+def compact_bytes(rows: int, d: int, k: int, dtype: tf.DType) -> int:
+  """Bytes of the compact form of `rows` rows: values plus indices."""
+  return rows * k * (tf.as_dtype(dtype).size + index_dtype_for(d).size)
+
+
+def dense_bytes(rows: int, d: int, dtype: tf.DType) -> int:
+  """Bytes of the dense [rows, d] activation."""
+  return rows * d * tf.as_dtype(dtype).size
+
+
+def device_scope(device: DeviceLike) -> ContextManager:
+  """A device scope from a device string, a context factory or None."""
+  if device is None or device == "":
+    return contextlib.nullcontext()
+  if isinstance(device, str):
+    return tf.device(device)
+  if callable(device):
+    return device()
+  raise TypeError(f"device must be a string, a callable returning a context "
+                  f"manager, or None, got {device!r}")
+
+
+def compact(x2: tf.Tensor, k: int) -> tuple[tf.Tensor, tf.Tensor]:
+  """Per row of [N, d]: the k values of largest |x| and their int32 indices."""
+  indices = top_k_indices(x2, k)
+  return tf.gather(x2, indices, batch_dims=1), indices
+
+
+def densify(values: tf.Tensor, indices: tf.Tensor, d: int) -> tf.Tensor:
+  """[N, d] with `values` [N, k] at `indices` [N, k] (int32) and +0 elsewhere."""
+  n = tf.shape(values)[0]
+  k = values.shape[-1]
+  rows = tf.broadcast_to(tf.range(n)[:, None], [n, k])
+  where = tf.stack([rows, indices], axis=-1)
+  zeros = tf.zeros(tf.stack([n, d]), values.dtype)
+  return tf.tensor_scatter_nd_update(zeros, where, values)
+
+
+def dct_mp_transfer(x, sparsity: float, target_device: DeviceLike,
+                    source_device: DeviceLike = None) -> tf.Tensor:
+  """`dct_mp(x, sparsity)` with only the compact form crossing to a device.
+
+  Args:
+    x: float tensor [..., d] of rank >= 2, on the source device.
+    sparsity: eta in [0, 1); k = d - floor(d * eta) entries per row cross.
+    target_device: where the result is densified: a device string, a callable
+      returning a device context (e.g. `lambda: repl.logical_device(1)`), or
+      None (no device scope).
+    source_device: where the selection and the backward densify run;
+      default: the enclosing device scope.
+
+  Returns:
+    X ⊙ M on the target device, the same values as `dct_mp(x, sparsity)`.
+  """
+  x, d, k = check_input(x, sparsity, "dct_mp_transfer")
+  wire_dtype = index_dtype_for(d)
+  # A static shape keeps the shape tensor itself off the wire.
+  shape = x.shape if x.shape.is_fully_defined() else tf.shape(x)
+
+  # Two single-device pieces, each under its own device scope, so that the
+  # Identity ops tf.custom_gradient adds around a piece stay on that piece's
+  # device (one piece spanning both devices would pull its dense input and
+  # output across the boundary through them).
+  @tf.custom_gradient
+  def encode(x):
+    x2 = tf.reshape(x, [-1, d])
+    values, indices = compact(x2, k)  # DCT Algorithm 2 lines 4-9
+    wire_indices = tf.cast(indices, wire_dtype)
+    source = wire_indices.device
+
+    def grad(d_values, unused_d_indices):
+      with device_scope(source or None):  # the compact gradient arrives here
+        return tf.reshape(densify(d_values, indices, d), shape)
+
+    return (values, wire_indices), grad
+
+  @tf.custom_gradient
+  def decode(values, wire_indices):
+    # DCT Algorithm 2 line 11: values and indices cross instead of X ⊙ M.
+    received = tf.cast(wire_indices, tf.int32)
+    y = tf.reshape(densify(values, received, d), shape, name="densify")
+    target = y.device
+
+    def grad(dy):
+      with device_scope(target or None):
+        # DCT Algorithm 2 lines 13-14: the gradient crosses compact.
+        return tf.gather(tf.reshape(dy, [-1, d]), received, batch_dims=1), None
+
+    return y, grad
+
+  with device_scope(source_device):
+    values, wire_indices = encode(x)
+  with device_scope(target_device):
+    return decode(values, wire_indices)

@@ -1,0 +1,79 @@
+"""Top-k compression of the backward X_grad with error feedback (DCT App. A).
+
+The forward activation crosses dense (identity). Backward, the target adds
+the residual E to the incoming gradient, G = dY + E, keeps the k = d -
+floor(d * sparsity) largest |G| per row (`tf.math.top_k`, ties to the lower
+index), sends those values and indices to the source and stores the rest,
+E <- G - C(G).
+
+The residual is per row, [N, d], for a fixed number of rows N (the per-replica
+batch times any middle axes): error feedback needs an error of the same shape
+as what it corrects. Row i of one step's error is added to row i of the next
+step's gradient, which is a different example, exactly what plain error
+feedback on X_grad does (and one reason it does not work, per Appendix A).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_dct.ops import compact_transfer
+from tf_dct.ops.dct_mp import check_input
+
+
+def xgrad_topk(x, sparsity: float, residual: tf.Variable,
+               target_device: compact_transfer.DeviceLike = None,
+               source_device: compact_transfer.DeviceLike = None) -> tf.Tensor:
+  """Identity forward; top-k + error feedback on the gradient backward.
+
+  Args:
+    x: float tensor [..., d] of rank >= 2 whose rows (all but the last axis)
+      number exactly `residual.shape[0]`.
+    sparsity: eta in [0, 1); k = d - floor(d * eta) gradient entries per row
+      cross back.
+    residual: float variable [N, d], the error-feedback state (updated each
+      time the gradient is computed).
+    target_device: see `dct_mp_transfer`.
+    source_device: see `dct_mp_transfer`.
+
+  Returns:
+    x, placed on the target device.
+  """
+  x, d, k = check_input(x, sparsity, "xgrad_topk")
+  rows = 1
+  for n in x.shape[:-1]:
+    rows = None if n is None or rows is None else rows * n
+  if tuple(residual.shape) != (rows, d):
+    raise ValueError(
+        f"xgrad_topk: the residual has shape {tuple(residual.shape)} but x "
+        f"{x.shape} has {rows} rows of d = {d}; the number of rows "
+        "(per-replica batch, times middle axes) must be static and match")
+  wire_dtype = compact_transfer.index_dtype_for(d)
+
+  # A static shape keeps the shape tensor itself off the wire.
+  shape = x.shape if x.shape.is_fully_defined() else tf.shape(x)
+  with compact_transfer.device_scope(source_device):
+    x = tf.identity(x)
+  source = x.device
+
+  @tf.custom_gradient
+  def receive(x):
+    y = tf.identity(x)  # the dense activation crosses
+    target = y.device
+
+    def grad(dy):
+      with compact_transfer.device_scope(target or None):
+        g = tf.reshape(dy, [-1, d]) + tf.cast(residual, dy.dtype)
+        values, indices = compact_transfer.compact(g, k)
+        kept = compact_transfer.densify(values, indices, d)
+        update = residual.assign(tf.cast(g - kept, residual.dtype))
+        wire_indices = tf.cast(indices, wire_dtype)
+      with compact_transfer.device_scope(source or None), \
+          tf.control_dependencies([update]):
+        dx = compact_transfer.densify(values, tf.cast(wire_indices, tf.int32), d)
+        return tf.reshape(dx, shape)
+
+    return y, grad
+
+  with compact_transfer.device_scope(target_device):
+    return receive(x)
