@@ -12,12 +12,23 @@ Worker side (the script):
     ...
     multi_worker_util.write_result(args.result_dir, {...})
 
+A parameter-server cluster (1 chief running a script, workers and ps tasks
+serving with `python -m launch.ps_cluster --serve`):
+
+    run = multi_worker_util.run_cluster(CHIEF_SCRIPT, num_workers=2, num_ps=1)
+    assert run.ok, run.failure()
+    data = run.chief.result                         # chief_0.json
+
+Both runners take `monitor=fn`, called on every poll with the `Processes`
+of the run, which can `kill(type, index)` (SIGKILL, a crash) or
+`restart(type, index)` (same address) a task mid-run.
+
 Every worker gets `TF_CONFIG` (its own task index), `TF_CPP_MIN_LOG_LEVEL=2`,
 `CUDA_VISIBLE_DEVICES=""` and a `PYTHONPATH` that starts with the repository
 root, plus `--result_dir DIR` on its command line: it writes its results as
-`DIR/worker_<index>.json` (see `result_path`). Each worker runs in its own
-process group, and every group is killed before `run_workers` returns or
-raises, also on timeouts and exceptions.
+`DIR/<task type>_<index>.json` (see `result_path`). Each task runs in its
+own process group, and every group is killed before `run_workers` /
+`run_cluster` returns or raises, also on timeouts and exceptions.
 
 This module imports neither TensorFlow nor tf_dct, so it is cheap to import
 from a worker script before TensorFlow starts.
@@ -87,9 +98,16 @@ def tf_config(cluster: Mapping[str, Sequence[str]], index: int,
 # --- worker side -------------------------------------------------------------
 
 
-def result_path(result_dir, index: int) -> pathlib.Path:
-  """Where worker `index` writes its JSON results."""
-  return pathlib.Path(result_dir) / f"worker_{index}.json"
+def result_path(result_dir, index: int, task_type: str = "worker"
+               ) -> pathlib.Path:
+  """Where task (`task_type`, `index`) writes its JSON results."""
+  return pathlib.Path(result_dir) / f"{task_type}_{index}.json"
+
+
+def task_type() -> str:
+  """This task's type, read from TF_CONFIG ("worker" when unset)."""
+  raw = os.environ.get("TF_CONFIG")
+  return str(json.loads(raw)["task"]["type"]) if raw else "worker"
 
 
 def task_index() -> int:
@@ -116,8 +134,13 @@ def parse_worker_args(argv: Sequence[str] | None = None,
 
 
 def write_result(result_dir, data, index: int | None = None) -> pathlib.Path:
-  """Writes `data` (JSON-serializable) atomically as this worker's result."""
-  path = result_path(result_dir, task_index() if index is None else index)
+  """Writes `data` (JSON-serializable) atomically as this task's result.
+
+  The file is `<type>_<index>.json` of this task's TF_CONFIG entry (e.g.
+  `worker_1.json`, `chief_0.json`); `index` overrides the index.
+  """
+  path = result_path(result_dir, task_index() if index is None else index,
+                     task_type())
   tmp = path.with_suffix(".json.tmp")
   tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
   os.replace(tmp, path)
@@ -161,6 +184,13 @@ class WorkerResult:
   timed_out: bool = False
   killed: bool = False        # killed because another worker failed first
   result_error: str | None = None
+  task_type: str = "worker"
+  exit_time: float | None = None   # time.time() when its exit was seen
+  starts: int = 1                  # 1 + restarts (see `Processes.restart`)
+
+  @property
+  def name(self) -> str:
+    return f"{self.task_type} {self.index}"
 
   @property
   def ok(self) -> bool:
@@ -173,12 +203,12 @@ class WorkerResult:
     state = ("timed out" if self.timed_out else
              "killed after another worker failed" if self.killed else
              f"exit code {self.returncode}")
-    parts = [f"--- worker {self.index}: {state}"]
+    parts = [f"--- {self.name}: {state}"]
     if self.result_error:
       parts.append(f"result file: {self.result_error}")
-    parts.append(f"--- worker {self.index} stdout (last {lines} lines):\n"
+    parts.append(f"--- {self.name} stdout (last {lines} lines):\n"
                  f"{last(self.stdout)}")
-    parts.append(f"--- worker {self.index} stderr (last {lines} lines):\n"
+    parts.append(f"--- {self.name} stderr (last {lines} lines):\n"
                  f"{last(self.stderr)}")
     return "\n".join(parts)
 
@@ -222,7 +252,7 @@ def run_workers(script, num_workers: int = 2, args: Sequence[str] = (),
                 env: Mapping[str, str] | None = None, timeout: float = 240.0,
                 result_dir=None, fail_fast_grace: float = 15.0,
                 python: str | None = None, host: str = "localhost",
-                port_retries: int = 1) -> list[WorkerResult]:
+                port_retries: int = 1, monitor=None) -> list[WorkerResult]:
   """Runs `script` as `num_workers` workers of one cluster and waits for them.
 
   Args:
@@ -244,6 +274,8 @@ def run_workers(script, num_workers: int = 2, args: Sequence[str] = (),
     host: the host name in the worker addresses.
     port_retries: how many times to start over with fresh ports (within the
       same `timeout`) when a worker could not bind its port.
+    monitor: optional `monitor(processes)`, called on every poll with the
+      `Processes` of this attempt (e.g. to kill a worker mid-run).
 
   Returns:
     One `WorkerResult` per worker, in task index order.
@@ -262,7 +294,7 @@ def run_workers(script, num_workers: int = 2, args: Sequence[str] = (),
         result_path(result_dir, i).unlink(missing_ok=True)
       results = _run_once(script, num_workers, args, env,
                           deadline - time.monotonic(), result_dir,
-                          fail_fast_grace, python, host)
+                          fail_fast_grace, python, host, monitor)
       if attempt == port_retries or not any(
           PORT_IN_USE in r.stderr for r in results if not r.ok):
         return results
@@ -272,74 +304,237 @@ def run_workers(script, num_workers: int = 2, args: Sequence[str] = (),
 PORT_IN_USE = "Could not start gRPC server"
 
 
+
+class Processes:
+  """Local task processes of one cluster, each in its own process group.
+
+  A `monitor` callback given to `run_workers` / `run_cluster` receives this
+  object on every poll (about 5 times a second) and may `kill` or `restart`
+  tasks, e.g. to fail a worker mid-run. Tasks are named `(task_type, index)`.
+  `stop_all` (always called by the runners) SIGKILLs every process group.
+  """
+
+  def __init__(self, log_dir: pathlib.Path, result_dir: pathlib.Path):
+    self.log_dir = log_dir
+    self.result_dir = result_dir
+    self.procs: dict[tuple[str, int], subprocess.Popen] = {}
+    self.exit_times: dict[tuple[str, int], float] = {}
+    self.starts: dict[tuple[str, int], int] = {}
+    self.events: list[tuple[float, str, str, int]] = []  # (time, what, type, i)
+    self._launch_args = {}
+    self._logs = []
+    self.start_time = time.time()
+
+  def start(self, task_type: str, index: int, argv: Sequence[str],
+            env: Mapping[str, str]) -> subprocess.Popen:
+    """Starts a task; stdout/stderr append to its log files."""
+    key = (task_type, index)
+    self._launch_args[key] = (list(argv), dict(env))
+    out = open(self.log_dir / f"{task_type}_{index}.out", "ab")
+    err = open(self.log_dir / f"{task_type}_{index}.err", "ab")
+    self._logs.append((out, err))
+    self.procs[key] = subprocess.Popen(
+        list(argv), env=dict(env), cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
+        stdout=out, stderr=err, start_new_session=True)
+    self.exit_times.pop(key, None)
+    self.starts[key] = self.starts.get(key, 0) + 1
+    self.events.append((time.time(), "start", task_type, index))
+    return self.procs[key]
+
+  def kill(self, task_type: str, index: int) -> None:
+    """SIGKILLs a task's process group (a crash: no cleanup runs)."""
+    _kill_group(self.procs[(task_type, index)])
+    self.poll()
+    self.events.append((time.time(), "kill", task_type, index))
+
+  def restart(self, task_type: str, index: int) -> None:
+    """Kills a task if it still runs and starts it again, same address."""
+    key = (task_type, index)
+    if self.procs[key].poll() is None:
+      self.kill(task_type, index)
+    self.start(task_type, index, *self._launch_args[key])
+
+  def alive(self, task_type: str, index: int) -> bool:
+    return self.procs[(task_type, index)].poll() is None
+
+  def result(self, task_type: str, index: int):
+    """The task's current result JSON, or None (absent or half-written)."""
+    data, _ = _read_result(result_path(self.result_dir, index, task_type))
+    return data
+
+  def poll(self) -> dict[tuple[str, int], int | None]:
+    """Return codes by task (None: running); records first-seen exit times."""
+    codes = {}
+    for key, p in self.procs.items():
+      codes[key] = p.poll()
+      if codes[key] is not None and key not in self.exit_times:
+        self.exit_times[key] = time.time()
+    return codes
+
+  def stop_all(self) -> None:
+    for p in self.procs.values():
+      _kill_group(p)
+    self.poll()
+    for out, err in self._logs:
+      out.close()
+      err.close()
+    self._logs = []
+
+  def collect(self, key, timed_out=False, killed=False) -> WorkerResult:
+    task_type, index = key
+    data, error = _read_result(result_path(self.result_dir, index, task_type))
+    p = self.procs[key]
+    return WorkerResult(
+        index=index,
+        returncode=None if (timed_out or killed) else p.returncode,
+        stdout=(self.log_dir / f"{task_type}_{index}.out").read_text(errors="replace"),
+        stderr=(self.log_dir / f"{task_type}_{index}.err").read_text(errors="replace"),
+        result=data, timed_out=timed_out, killed=killed, result_error=error,
+        task_type=task_type, exit_time=self.exit_times.get(key),
+        starts=self.starts.get(key, 1))
+
+
+def _base_env(env: Mapping[str, str] | None) -> dict:
+  base_env = dict(os.environ)
+  base_env.pop("TF_CONFIG", None)
+  base_env.update(BASE_ENV)
+  base_env.update(env or {})
+  pythonpath = [str(REPO_ROOT)] + [
+      p for p in base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+  base_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+  return base_env
+
+
 def _run_once(script, num_workers, args, env, timeout, result_dir,
-              fail_fast_grace, python, host) -> list[WorkerResult]:
+              fail_fast_grace, python, host, monitor=None) -> list[WorkerResult]:
   """One attempt of `run_workers` (result_dir exists)."""
-  with contextlib.ExitStack() as stack:
-    log_dir = pathlib.Path(stack.enter_context(
-        tempfile.TemporaryDirectory(prefix="tf_dct_mw_logs_")))
+  with tempfile.TemporaryDirectory(prefix="tf_dct_mw_logs_") as log_dir:
     cluster = cluster_spec(free_ports(num_workers), host)
-
-    base_env = dict(os.environ)
-    base_env.pop("TF_CONFIG", None)
-    base_env.update(BASE_ENV)
-    base_env.update(env or {})
-    pythonpath = [str(REPO_ROOT)] + [
-        p for p in base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    base_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
-
-    procs: list[subprocess.Popen] = []
-    logs = []
-    timed_out = [False] * num_workers
-    killed = [False] * num_workers
+    base_env = _base_env(env)
+    procs = Processes(pathlib.Path(log_dir), result_dir)
+    keys = [("worker", i) for i in range(num_workers)]
+    timed_out = dict.fromkeys(keys, False)
+    killed = dict.fromkeys(keys, False)
     try:
       for i in range(num_workers):
-        worker_env = dict(base_env, TF_CONFIG=tf_config(cluster, i))
-        out = open(log_dir / f"worker_{i}.out", "wb")
-        err = open(log_dir / f"worker_{i}.err", "wb")
-        logs.append((out, err))
-        procs.append(subprocess.Popen(
-            [python or sys.executable, str(script), "--result_dir",
-             str(result_dir), *map(str, args)],
-            env=worker_env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
-            stdout=out, stderr=err, start_new_session=True))
-
+        procs.start("worker", i, [python or sys.executable, str(script),
+                                  "--result_dir", str(result_dir), *map(str, args)],
+                    dict(base_env, TF_CONFIG=tf_config(cluster, i)))
       deadline = time.monotonic() + timeout
       fail_deadline = None
       while True:
-        running = [p.poll() is None for p in procs]  # polls every process
-        if not any(running):
+        if monitor is not None:
+          monitor(procs)
+        codes = procs.poll()
+        if all(c is not None for c in codes.values()):
           break
         now = time.monotonic()
-        if fail_deadline is None and any(
-            p.returncode not in (None, 0) for p in procs):
+        if fail_deadline is None and any(c not in (None, 0) for c in codes.values()):
           fail_deadline = now + fail_fast_grace
-        if now >= deadline:
-          for i, p in enumerate(procs):
-            if p.poll() is None:
-              timed_out[i] = True
-          break
-        if fail_deadline is not None and now >= fail_deadline:
-          for i, p in enumerate(procs):
-            if p.poll() is None:
-              killed[i] = True
+        if now >= deadline or (fail_deadline is not None and now >= fail_deadline):
+          flags = timed_out if now >= deadline else killed
+          for key, c in codes.items():
+            flags[key] = c is None
           break
         time.sleep(0.2)
     finally:
-      for p in procs:
-        _kill_group(p)
-      for out, err in logs:
-        out.close()
-        err.close()
+      procs.stop_all()
+    return [procs.collect(k, timed_out[k], killed[k]) for k in keys]
 
-    results = []
-    for i, p in enumerate(procs):
-      data, error = _read_result(result_path(result_dir, i))
-      results.append(WorkerResult(
-          index=i,
-          returncode=None if (timed_out[i] or killed[i]) else p.returncode,
-          stdout=(log_dir / f"worker_{i}.out").read_text(errors="replace"),
-          stderr=(log_dir / f"worker_{i}.err").read_text(errors="replace"),
-          result=data, timed_out=timed_out[i], killed=killed[i],
-          result_error=error))
-    return results
+
+# --- a parameter-server cluster -------------------------------------------------
+
+SERVER_MODULE = "launch.ps_cluster"   # `python -m launch.ps_cluster --serve`
+
+
+def ps_cluster_spec(num_workers: int = 2, num_ps: int = 1,
+                    host: str = "localhost") -> dict:
+  """1 chief, `num_workers` workers and `num_ps` ps tasks on free ports."""
+  ports = free_ports(1 + num_workers + num_ps)
+  return {"chief": [f"{host}:{ports[0]}"],
+          "worker": [f"{host}:{p}" for p in ports[1:1 + num_workers]],
+          "ps": [f"{host}:{p}" for p in ports[1 + num_workers:]]}
+
+
+@dataclasses.dataclass
+class ClusterResult:
+  """What a `run_cluster` run did: the chief and every server task."""
+  chief: WorkerResult
+  servers: list[WorkerResult]
+  events: list                 # (time.time(), "start"|"kill", type, index)
+
+  @property
+  def ok(self) -> bool:
+    return self.chief.ok
+
+  def failure(self, lines: int = 40) -> str:
+    return format_failure([self.chief, *self.servers], lines)
+
+
+def run_cluster(chief_script, num_workers: int = 2, num_ps: int = 1,
+                args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                timeout: float = 240.0, result_dir=None, monitor=None,
+                python: str | None = None, host: str = "localhost",
+                port_retries: int = 1) -> ClusterResult:
+  """Runs a parameter-server cluster: 1 chief, workers and ps tasks.
+
+  The workers and ps tasks run `python -m launch.ps_cluster --serve` (a
+  `tf.distribute.Server` that serves until killed); the chief runs
+  `python chief_script --result_dir DIR *args` and writes `chief_0.json`.
+  The run ends when the chief exits (or at `timeout`, marking it
+  `timed_out`); every process group is then killed, also on exceptions.
+  A server task that dies on its own does not end the run (the chief
+  decides what a lost worker means); `monitor(processes)` is polled as in
+  `run_workers`. Port clashes are retried like `run_workers`.
+  """
+  deadline = time.monotonic() + timeout
+  with contextlib.ExitStack() as stack:
+    if result_dir is None:
+      result_dir = stack.enter_context(
+          tempfile.TemporaryDirectory(prefix="tf_dct_ps_"))
+    result_dir = pathlib.Path(result_dir)
+    result_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in range(port_retries + 1):
+      result_path(result_dir, 0, "chief").unlink(missing_ok=True)
+      result = _run_cluster_once(chief_script, num_workers, num_ps, args, env,
+                                 deadline - time.monotonic(), result_dir,
+                                 monitor, python, host)
+      tasks = [result.chief, *result.servers]
+      if attempt == port_retries or not any(PORT_IN_USE in r.stderr for r in tasks):
+        return result
+  raise AssertionError("unreachable")
+
+
+def _run_cluster_once(chief_script, num_workers, num_ps, args, env, timeout,
+                      result_dir, monitor, python, host) -> ClusterResult:
+  with tempfile.TemporaryDirectory(prefix="tf_dct_ps_logs_") as log_dir:
+    cluster = ps_cluster_spec(num_workers, num_ps, host)
+    base_env = _base_env(env)
+    python = python or sys.executable
+    procs = Processes(pathlib.Path(log_dir), result_dir)
+    servers = [("ps", i) for i in range(num_ps)] + [
+        ("worker", i) for i in range(num_workers)]
+    chief = ("chief", 0)
+    timed_out = False
+    try:
+      for task_type, i in servers:
+        procs.start(task_type, i, [python, "-m", SERVER_MODULE, "--serve"],
+                    dict(base_env, TF_CONFIG=tf_config(cluster, i, task_type)))
+      procs.start("chief", 0, [python, str(chief_script), "--result_dir",
+                               str(result_dir), *map(str, args)],
+                  dict(base_env, TF_CONFIG=tf_config(cluster, 0, "chief")))
+      deadline = time.monotonic() + timeout
+      while True:
+        if monitor is not None:
+          monitor(procs)
+        if procs.poll()[chief] is not None:
+          break
+        if time.monotonic() >= deadline:
+          timed_out = True
+          break
+        time.sleep(0.2)
+    finally:
+      procs.stop_all()
+    return ClusterResult(
+        chief=procs.collect(chief, timed_out=timed_out),
+        servers=[procs.collect(k) for k in servers], events=list(procs.events))

@@ -46,6 +46,14 @@ class CreateReplicatorTest(tf.test.TestCase):
       tf_dct.create_replicator("gpu")
     with self.assertRaisesRegex(ValueError, "num_replicas is not used by kind='multi_worker'"):
       tf_dct.create_replicator("multi_worker", num_replicas=2)
+    with self.assertRaisesRegex(ValueError, "kind='async' supports num_devices_per_replica=1 only"):
+      tf_dct.create_replicator("async", num_devices_per_replica=2)
+
+  def test_async_kind_checks_tf_config_first(self):
+    with mock.patch.dict("os.environ"):
+      os.environ.pop("TF_CONFIG", None)
+      with self.assertRaisesRegex(ValueError, "TF_CONFIG"):
+        tf_dct.create_replicator("async")
 
   def test_malformed_tf_config_is_reported_before_anything_starts(self):
     with mock.patch.dict("os.environ", {"TF_CONFIG": "{not json"}):

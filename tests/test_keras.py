@@ -145,6 +145,25 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
     config = k.optimizers.serialize(wrapped)
     self.assertIsInstance(k.optimizers.deserialize(config), k.optimizers.Adam)
 
+  @parameterized.parameters("tf_keras", "keras3")
+  def test_communication_stats_passthrough(self, flavour):
+    k = FLAVOURS[flavour]
+    compressor = compression.DCTDP(sparsity=0.5, threshold_life=2)
+    _, opt = self._custom_loop(k, tf_dct.Replicator(self.devices), wrap=True,
+                               compressor=compressor, steps=2)
+    stats = opt.communication_stats()
+    self.assertEqual(stats, compressor.communication_stats())
+    self.assertEqual(stats, tf_dct.keras.communication_stats(opt))
+    self.assertEqual(stats["steps"], [2] * 4)
+    self.assertLen(stats["variables"], 4)
+    self.assertTrue(all(b > 0 for b in stats["total"]["bytes_sent"]))
+    # The default (dense) aggregation reports too: density 1.
+    _, dense_opt = self._custom_loop(k, tf_dct.Replicator(self.devices),
+                                     wrap=True, steps=1)
+    dense = dense_opt.communication_stats()["last"]
+    self.assertEqual(dense["density"], [1.0] * 4)
+    self.assertEqual(dense["bytes_sent"], dense["dense_bytes"])
+
   def test_errors(self):
     repl = tf_dct.Replicator(self.devices)
     with repl.scope():

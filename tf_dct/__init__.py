@@ -6,11 +6,12 @@ The replicators extend TensorFlow's own strategies with the TF-Replicator API;
 """
 
 from tf_dct import compression
+from tf_dct.async_replicator import AsyncReplicator
 from tf_dct import layers
 from tf_dct import ops
 from tf_dct.factory import create_replicator, split_cpu
 from tf_dct.input_pipeline import PER_REPLICA, PER_WORKER, split_batch
-from tf_dct.multi_worker import MultiWorkerReplicator
+from tf_dct.multi_worker import MultiWorkerReplicator, PeerFailureError
 from tf_dct.per_replica_state import PerReplicaState
 from tf_dct.replicator import Replicator
 from tf_dct.tpu import TpuReplicator
@@ -18,7 +19,8 @@ from tf_dct.tpu import TpuReplicator
 __version__ = "0.1.0"
 
 __all__ = [
-    "PER_REPLICA", "PER_WORKER", "MultiWorkerReplicator", "PerReplicaState",
+    "AsyncReplicator", "PER_REPLICA", "PER_WORKER", "MultiWorkerReplicator",
+    "PeerFailureError", "PerReplicaState",
     "Replicator", "TpuReplicator", "compression", "create_replicator", "layers",
     "ops",
     "split_batch", "split_cpu",

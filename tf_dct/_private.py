@@ -67,6 +67,45 @@ def unmirrored_variable(initial_value, name: str, device: str) -> tf.Variable:
         initial_value, trainable=False, name=name)
 
 
+def per_worker_variable(initial_value, name: str) -> tf.Variable:
+  """A variable with one independent copy on every worker of a PS strategy.
+
+  Call in `ParameterServerStrategy.scope()`. `per_worker_variable=True` is
+  popped by `ParameterServerStrategyV2Extended._create_variable`, which
+  builds a `ps_values.PerWorkerVariable`: inside a function scheduled by the
+  `ClusterCoordinator` it resolves to the copy of the worker running it;
+  `read_all()` reads every copy. On worker recovery the coordinator re-creates
+  the copy from `initial_value`.
+  """
+  with tf.init_scope():
+    return tf.Variable(initial_value, name=name, trainable=False,
+                       per_worker_variable=True)
+
+
+def ps_cluster_size(strategy) -> tuple[int, int]:
+  """(workers, parameter servers) of a `ParameterServerStrategy`.
+
+  Reads `_num_workers` / `_num_ps`, set by `ParameterServerStrategyV2.
+  _connect_to_cluster`.
+  """
+  return int(strategy._num_workers), int(strategy._num_ps)  # pylint: disable=protected-access
+
+
+def run_on_every_worker(coordinator, fn) -> list:
+  """Runs the tf.function `fn` once on every worker; returns each result.
+
+  Uses `ClusterCoordinator._create_per_worker_resources` (one closure tagged
+  per worker, run by that worker's thread). The returned RemoteValues are
+  dropped after fetching, so the coordinator does not re-run `fn` when a
+  worker recovers later.
+  """
+  per_worker = coordinator._create_per_worker_resources(fn)  # pylint: disable=protected-access
+  values = list(per_worker._values)  # pylint: disable=protected-access
+  results = [v.fetch() for v in values]
+  del per_worker, values
+  return results
+
+
 KERAS3_AGGREGATION_METHOD = "_all_reduce_sum_gradients"
 
 
@@ -90,6 +129,20 @@ def check() -> None:
   assert "_id_in_cluster" in src, "CollectiveAllReduceExtended._id_in_cluster is gone"
   assert "self._num_workers" in src, "CollectiveAllReduceExtended._num_workers is gone"
   assert hasattr(resource_variable_ops, "ResourceVariable")
+  from tensorflow.python.distribute import parameter_server_strategy_v2 as pss  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.distribute import ps_values  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.distribute.coordinator import cluster_coordinator as cc  # pylint: disable=g-import-not-at-top
+  src = inspect.getsource(pss.ParameterServerStrategyV2Extended._create_variable)
+  assert 'kwargs.pop("per_worker_variable"' in src, (
+      "ParameterServerStrategy no longer accepts per_worker_variable=True")
+  assert callable(getattr(ps_values.PerWorkerVariable, "read_all", None)), (
+      "PerWorkerVariable.read_all is gone")
+  assert callable(getattr(cc.ClusterCoordinator, "_create_per_worker_resources",
+                          None)), "ClusterCoordinator._create_per_worker_resources is gone"
+  assert "_values" in inspect.getsource(cc.PerWorkerValues.__init__), (
+      "PerWorkerValues no longer keeps its RemoteValues in _values")
+  assert "_num_workers" in inspect.getsource(pss.ParameterServerStrategyV2._connect_to_cluster), (
+      "ParameterServerStrategyV2._num_workers is gone")
   base = keras3_optimizer_base()
   method = getattr(base, KERAS3_AGGREGATION_METHOD, None)
   assert callable(method), f"Keras 3 TFOptimizer.{KERAS3_AGGREGATION_METHOD} is gone"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_dct.async_replicator import AsyncReplicator
 from tf_dct.multi_worker import MultiWorkerReplicator, validate_tf_config
 from tf_dct.replicator import Replicator, check_positive_int
 from tf_dct.tpu import TpuReplicator
 
-KINDS = ("auto", "cpu", "gpu", "multi_worker", "tpu")
+KINDS = ("auto", "cpu", "gpu", "multi_worker", "async", "tpu")
 
 
 def split_cpu(num_devices: int) -> list[str]:
@@ -41,8 +42,10 @@ def create_replicator(kind: str = "auto", num_replicas: int | None = None,
 
   Args:
     kind: "cpu" (logical CPU devices), "gpu" (local GPUs), "multi_worker"
-      (TF_CONFIG cluster), "tpu", or "auto": tpu if `tpu` is given, else
-      multi_worker if TF_CONFIG is set, else gpu if any GPU, else cpu.
+      (TF_CONFIG cluster, synchronous), "async" (TF_CONFIG cluster with
+      parameter servers; run in the chief), "tpu", or "auto": tpu if `tpu` is
+      given, else multi_worker if TF_CONFIG is set, else gpu if any GPU, else
+      cpu.
     num_replicas: replicas on this machine (cpu: default 1; gpu: default all
       GPUs / num_devices_per_replica). Not used by multi_worker and tpu, which
       take every device they are given.
@@ -82,5 +85,10 @@ def create_replicator(kind: str = "auto", num_replicas: int | None = None,
   if kind == "multi_worker":
     return MultiWorkerReplicator(num_devices_per_replica=num_devices_per_replica,
                                  **kwargs)
+  if kind == "async":
+    if num_devices_per_replica != 1:
+      raise ValueError("kind='async' supports num_devices_per_replica=1 only, "
+                       f"got {num_devices_per_replica}")
+    return AsyncReplicator(**kwargs)
   return TpuReplicator(tpu=tpu or "local",
                        num_devices_per_replica=num_devices_per_replica, **kwargs)

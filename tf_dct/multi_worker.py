@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -52,6 +53,38 @@ def validate_tf_config(raw: str | None = None) -> dict | None:
   return config
 
 
+# Errors a collective raises when a peer died, stalled or was unreachable.
+_PEER_ERRORS = (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+                tf.errors.AbortedError, tf.errors.CancelledError)
+
+
+class PeerFailureError(RuntimeError):
+  """A collective failed because a peer worker died, stalled or is unreachable.
+
+  Attributes:
+    timeout_seconds: the collective timeout in force (None: TensorFlow's).
+    original: the TensorFlow error the collective raised.
+  """
+
+  def __init__(self, message: str, timeout_seconds, original: Exception):
+    super().__init__(message)
+    self.timeout_seconds = timeout_seconds
+    self.original = original
+
+
+def is_peer_failure(error: BaseException) -> bool:
+  """Whether `error` is how a collective reports a lost or stalled peer."""
+  text = str(error)
+  return isinstance(error, _PEER_ERRORS) or (
+      isinstance(error, tf.errors.OpError) and (
+          "Collective ops is aborted" in text or "timed out" in text.lower()))
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip()
+  return text.splitlines()[0][:300] if text else type(error).__name__
+
+
 class MultiWorkerReplicator(ReplicatorMixin,
                             tf.distribute.MultiWorkerMirroredStrategy):
   """One replica per local device on every worker; collectives over gRPC.
@@ -60,18 +93,54 @@ class MultiWorkerReplicator(ReplicatorMixin,
   `cluster_resolver`. Every worker runs the same program, and must create its
   replicators in the same order: collective keys are derived from that order.
 
+  Peer failures. With `collective_timeout_seconds=T`, every collective
+  (all-reduce, all-gather, ...) that does not complete within T seconds fails
+  with `DeadlineExceededError`; a peer whose process died usually makes it
+  fail sooner (connection refused). `run(step_fn, input_fn)` turns such errors
+  into a `PeerFailureError` that says so; wrap other training loops (e.g.
+  `model.fit`) in `with replicator.peer_failure_errors():` for the same
+  message. Collectives cannot recover in-process: restart every worker (from
+  the last checkpoint). T must exceed the longest wait a healthy peer can
+  cause, including the first step's tracing on the slowest worker. Without
+  a timeout, TensorFlow's health check (every 30 s) aborts collectives once a
+  peer stops answering.
+
   Args:
     cluster_resolver: optional; default reads TF_CONFIG.
-    communication_options: `tf.distribute.experimental.CommunicationOptions`
-      (e.g. a collective `timeout_seconds`).
+    communication_options: `tf.distribute.experimental.CommunicationOptions`.
     num_devices_per_replica: only 1 is supported on this kind.
     input_replication, input_split_fn, jit_compile: as for `Replicator`.
+    collective_timeout_seconds: optional timeout T (> 0) of every collective;
+      shorthand for `CommunicationOptions(timeout_seconds=T)` (give one or
+      the other a timeout, not both).
   """
 
   def __init__(self, cluster_resolver=None, communication_options=None,
                num_devices_per_replica: int = 1, input_replication=PER_WORKER,
-               input_split_fn=None, jit_compile: bool = False):
+               input_split_fn=None, jit_compile: bool = False,
+               collective_timeout_seconds: float | None = None):
     check_positive_int("num_devices_per_replica", num_devices_per_replica)
+    if collective_timeout_seconds is not None:
+      if (isinstance(collective_timeout_seconds, bool) or
+          not isinstance(collective_timeout_seconds, (int, float)) or
+          not collective_timeout_seconds > 0):
+        raise ValueError("collective_timeout_seconds must be a number > 0 or "
+                         f"None, got {collective_timeout_seconds!r}")
+      if communication_options is None:
+        communication_options = tf.distribute.experimental.CommunicationOptions(
+            timeout_seconds=float(collective_timeout_seconds))
+      elif communication_options.timeout_seconds is not None:
+        raise ValueError(
+            "give the collective timeout once: collective_timeout_seconds="
+            f"{collective_timeout_seconds} and communication_options."
+            f"timeout_seconds={communication_options.timeout_seconds}")
+      else:
+        communication_options = tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=communication_options.bytes_per_pack,
+            timeout_seconds=float(collective_timeout_seconds),
+            implementation=communication_options.implementation)
+    self.collective_timeout_seconds = (
+        communication_options.timeout_seconds if communication_options else None)
     if num_devices_per_replica != 1:
       raise NotImplementedError(
           "MultiWorkerReplicator supports num_devices_per_replica=1 only "
@@ -91,3 +160,35 @@ class MultiWorkerReplicator(ReplicatorMixin,
   @property
   def is_chief(self) -> bool:
     return self.extended.should_checkpoint
+
+  # --- peer failures -----------------------------------------------------------
+
+  def run(self, fn, args=(), kwargs=None, options=None, *, input_fn=None):
+    if input_fn is None and not (callable(args) and not isinstance(args, (tuple, list))):
+      return super().run(fn, args=args, kwargs=kwargs, options=options)
+    with self.peer_failure_errors():
+      return super().run(fn, args=args, kwargs=kwargs, options=options,
+                         input_fn=input_fn)
+
+  run.__doc__ = ReplicatorMixin.run.__doc__
+
+  @contextlib.contextmanager
+  def peer_failure_errors(self):
+    """Re-raises a collective's peer-failure error as `PeerFailureError`."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      if not is_peer_failure(e):
+        raise
+      timeout = self.collective_timeout_seconds
+      bound = (f"within collective_timeout_seconds={timeout:g}" if timeout
+               else "(no collective_timeout_seconds set; TensorFlow's health "
+                    "check aborted it)")
+      peers = self.cluster_resolver.cluster_spec().as_dict() if self.cluster_resolver else {}
+      raise PeerFailureError(
+          f"MultiWorkerReplicator (worker {self.worker_index}): a collective "
+          f"did not complete {bound}: a peer worker probably died, stalled or "
+          f"is unreachable (cluster: {peers}). Collectives cannot recover in "
+          "this process; restart every worker, e.g. from the last checkpoint. "
+          f"TensorFlow said: {type(e).__name__}: {_first_line(e)}",
+          timeout, e) from e

@@ -292,5 +292,134 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllEqual(st["step"].numpy(), [3, 3])
 
 
+def _slices_run(replicas, steps, jit_compile, seed=0):
+  """Same IndexedSlices fed as slices to one DCTDP and densified to another."""
+  rows, width, k = 6, 3, 5
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, rows, size=(steps, replicas, k)).astype(np.int32)
+  ids[:, :, 1] = ids[:, :, 0]  # duplicates on every step and replica
+  ids[:, :, 4] = ids[:, :, 0]
+  vals = rng.normal(size=(steps, replicas, k, width)).astype(np.float32)
+  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
+                           input_replication=tf_dct.PER_REPLICA,
+                           jit_compile=jit_compile)
+  kwargs = dict(sparsity=0.8, threshold_life=3, capacity_factor=1.5)
+  sparse, dense = DCTDP(**kwargs), DCTDP(**kwargs)
+  for c in (sparse, dense):
+    c.bind(repl)
+  with repl.scope():
+    table = tf.Variable(tf.zeros([rows, width]), name="table")
+
+  def input_fn(replica_id):
+    return tf.data.Dataset.from_tensor_slices((ids[:, replica_id],
+                                               vals[:, replica_id]))
+
+  def step_fn(batch):
+    i, v = batch
+    g = tf.IndexedSlices(v, i, tf.constant([rows, width]))
+    a = sparse.aggregate([(g, table)])[0][0]
+    b = dense.aggregate([(tf.convert_to_tensor(g), table)])[0][0]
+    return a, b
+
+  history = []
+  for _ in range(steps):
+    out = util.local(repl, repl.run(step_fn, input_fn))
+    states = [{key: s.numpy() for key, s in c.state_for(table).items()}
+              for c in (sparse, dense)]
+    history.append((out, states))
+  return history
+
+
+class IndexedSlicesTest(tf.test.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(("2_replicas", 2, False),
+                                  ("1_replica_xla", 1, True))
+  def test_matches_densified_path(self, replicas, jit_compile):
+    history = _slices_run(replicas, steps=7, jit_compile=jit_compile)
+    # Bit-identical without XLA; XLA may sum the duplicates in another order.
+    same = self.assertAllClose if jit_compile else self.assertAllEqual
+    tol = {"atol": 1e-6, "rtol": 0} if jit_compile else {}
+    for t, (out, (st_sparse, st_dense)) in enumerate(history):
+      for r in range(replicas):
+        same(out[r][0], out[r][1], msg=f"update step {t}", **tol)
+      for key in ("residual", "threshold"):
+        same(st_sparse[key], st_dense[key], msg=f"{key} step {t}", **tol)
+      for key in ("sent", "overflow", "step"):
+        self.assertAllEqual(st_sparse[key], st_dense[key], msg=f"{key} step {t}")
+    self.assertTrue(np.any(history[-1][1][0]["residual"] != 0))
+
+
+def _guard_reference(grads, sparsity, life, factor, band):
+  """numpy DCT-DP of one variable with the density guard; per replica."""
+  n = grads[0][0].size
+  m = dct_dp.num_below(n, sparsity)
+  cap = dct_dp.capacity(n, sparsity, factor)
+  expected = n - m
+  replicas = len(grads[0])
+  res = [np.zeros(n, np.float32) for _ in range(replicas)]
+  tau = [np.float32(0)] * replicas
+  early = [0] * replicas
+  taus = []
+  for k, step in enumerate(grads):
+    for r in range(replicas):
+      acc = step[r] + res[r]
+      scheduled = k % life == 0
+      count = np.sum(np.abs(acc) >= tau[r])
+      out = count < band[0] * expected or count > band[1] * expected
+      if scheduled or out:
+        early[r] += int(not scheduled)
+        tau[r] = np.sort(np.abs(acc))[m]
+      selected = np.abs(acc) >= tau[r]
+      fits = selected & (np.cumsum(selected) - selected < cap)
+      res[r] = np.where(fits, 0, acc).astype(np.float32)
+    taus.append(list(tau))
+  return taus, res, early
+
+
+class DensityGuardTest(tf.test.TestCase):
+
+  def test_drifting_scale_refreshes_early_and_conserves(self):
+    replicas, steps, n = 2, 10, 50
+    kwargs = dict(sparsity=0.9, threshold_life=1000, capacity_factor=2.0)
+    band = (0.5, 2.0)
+    rng = np.random.default_rng(7)
+    # The scale grows 1.5x per step: a reused tau selects ever more entries.
+    grads = [[[(rng.normal(size=n) * 1.5**t).astype(np.float32)]
+              for _ in range(replicas)] for t in range(steps)]
+    guarded = DCTDP(density_band=band, **kwargs)
+    _, _, history = _run(guarded, grads, replicas, shapes=[(n,)])
+    ref_taus, ref_res, ref_early = _guard_reference(
+        [[g[0] for g in s] for s in grads], band=band, life=1000,
+        sparsity=0.9, factor=2.0)
+    for t, (_, states) in enumerate(history):
+      self.assertAllEqual(states[0]["threshold"], ref_taus[t], msg=f"step {t}")
+    stats = guarded.communication_stats()["variables"]["w0"]
+    self.assertEqual(stats["counters"]["early_refreshes"], ref_early)
+    self.assertGreater(min(ref_early), 2)
+    final = history[-1][1][0]["residual"]
+    for r in range(replicas):
+      self.assertAllEqual(final[r], ref_res[r])
+    # Conservation: applied updates + residuals == all gradients fed in.
+    applied = sum(out[0][0] for out, _ in history)
+    total = sum(g[r][0] for g in grads for r in range(replicas))
+    self.assertAllClose(applied + sum(final), total, atol=1e-5 * np.abs(total).max(),
+                        rtol=0)
+    # Without the guard the same run never refreshes after step 0.
+    plain = DCTDP(**kwargs)
+    _run(plain, grads, replicas, shapes=[(n,)])
+    counters = plain.communication_stats()["variables"]["w0"]["counters"]
+    self.assertNotIn("early_refreshes", counters)
+    self.assertEqual(counters["refreshes"], [1, 1])
+
+  def test_bad_band_and_encoding(self):
+    for band in [(0.5,), (1.5, 2.0), (0.5, 0.9), (-0.1, 2.0), (0.5, float("inf")),
+                 "wide", (True, 2.0), (1.0, 1.0)]:
+      with self.assertRaisesRegex(ValueError, "density_band must be None or a pair"):
+        DCTDP(density_band=band)
+    self.assertEqual(DCTDP(density_band=(0, 3)).density_band, (0.0, 3.0))
+    with self.assertRaisesRegex(ValueError, "index_encoding must be"):
+      DCTDP(index_encoding="uint4")
+
+
 if __name__ == "__main__":
   tf.test.main()

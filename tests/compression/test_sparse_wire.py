@@ -117,5 +117,100 @@ class ExchangeTest(tf.test.TestCase):
     self.assertAllEqual(out, [0.5, -2.0, 0.0, 0.0])
 
 
+def _sorted_positions(n, capacity, count, seed):
+  """int32[capacity]: `count` increasing distinct positions, then padding n."""
+  rng = np.random.default_rng(seed)
+  idx = np.full(capacity, n, np.int32)
+  idx[:count] = np.sort(rng.choice(n, size=count, replace=False))
+  return idx
+
+
+class EncodingTest(tf.test.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      # (n, capacity, count); chunk8 with capacity >= 256 needs 2-byte counts,
+      # n = 70000 gives a partial last chunk for both chunk sizes.
+      ("small", 40, 4, 3),
+      ("partial_chunks", 70000, 300, 300),
+      ("empty", 1000, 17, 0),
+      ("full", 9, 9, 9),
+  )
+  def test_round_trip_eager_and_xla(self, n, capacity, count):
+    idx = _sorted_positions(n, capacity, count, seed=n)
+    for name in sparse_wire.ENCODINGS:
+      enc = sparse_wire.make_encoding(name, n, capacity)
+      encode = lambda i, e=enc: sparse_wire.encode_indices(i, e)
+      decode = lambda w, e=enc: sparse_wire.decode_indices(w, e)
+      words = encode(tf.constant(idx))
+      self.assertEqual(words.dtype, tf.int32)
+      self.assertEqual(words.shape, [enc.words])
+      self.assertAllEqual(decode(words), idx, msg=name)
+      jit_words = tf.function(encode, jit_compile=True)(tf.constant(idx))
+      self.assertAllEqual(jit_words, words, msg=name)
+      self.assertAllEqual(tf.function(decode, jit_compile=True)(jit_words),
+                          idx, msg=name)
+
+  def test_packing_is_byte_exact(self):
+    # 5 one-byte offsets take 2 words (not 5); counts of one chunk, 1 word.
+    enc = sparse_wire.make_encoding("chunk8", 200, 5)
+    self.assertEqual((enc.count_bytes, enc.count_words, enc.offset_words), (1, 1, 2))
+    idx = tf.constant([3, 7, 255 - 56, 199, 200], tf.int32)  # 200 = padding
+    words = sparse_wire.encode_indices(idx, enc).numpy()
+    raw = words.view(np.uint8)
+    self.assertEqual(raw[0], 4)                         # count of chunk 0
+    self.assertAllEqual(raw[4:8], [3, 7, 199, 199])     # offsets, 4 per word
+    self.assertAllEqual(raw[8:12], [0, 0, 0, 0])        # padding slot + fill
+
+  def test_auto_choice(self):
+    # (n, capacity): int32 words vs chunk16 vs chunk8, counted by hand.
+    cases = {
+        (100, 1): "int32",               # 1 vs 1+1 vs 1+1
+        (40, 4): "chunk8",               # 4 vs 1+2 vs 1+1
+        (1_000_000, 20_000): "chunk8",   # 20000 vs 8+10000 vs 1954+5000
+        (1_000_000, 2_000): "chunk16",   # 2000 vs 8+1000 vs 1954+500
+        (2**20, 64): "chunk16",          # 64 vs 4+32 vs 1024+16
+    }
+    for (n, cap), want in cases.items():
+      self.assertEqual(sparse_wire.choose_encoding(n, cap).name, want, msg=(n, cap))
+    enc = sparse_wire.choose_encoding(1_000_000, 20_000)
+    self.assertEqual(enc.index_bytes, 4 * (1954 + 5000))
+    self.assertEqual(sparse_wire.wire_bytes(1_000_000, 20_000, tf.float32),
+                     4 * 6954 + 4 * 20_000)
+    self.assertEqual(sparse_wire.wire_bytes(1_000_000, 20_000, tf.float32,
+                                            "int32"), 8 * 20_000)
+    with self.assertRaisesRegex(ValueError, "index encoding must be"):
+      sparse_wire.make_encoding("uint4", 10, 2)
+
+  def test_exchange_shrinks_the_gather_and_sorts_unsorted_input(self):
+    n, capacity, replicas = 300, 6, util.NUM_CPUS
+    rng = np.random.default_rng(2)
+    # Unsorted positions with padding in the middle and a duplicate.
+    idxs = [rng.permutation(np.r_[rng.choice(n, 4, replace=False), n, n])
+            .astype(np.int32) for _ in range(replicas)]
+    idxs[0][:2] = [5, 5]
+    vals = [rng.normal(size=capacity).astype(np.float32) for _ in range(replicas)]
+    want = np.zeros(n + 1)
+    for i, v in zip(idxs, vals):
+      np.add.at(want, i, v)
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
+    sizes = {}
+
+    def fn(name):
+      ctx = tf.distribute.get_replica_context()
+      r = tf.get_static_value(ctx.replica_id_in_sync_group)
+      enc = sparse_wire.make_encoding(name, n, capacity)
+      sizes[name] = enc.words
+      return sparse_wire.exchange(ctx, tf.constant(idxs[r]), tf.constant(vals[r]),
+                                  n, encoding=name)
+
+    for name in sparse_wire.ENCODINGS:
+      out = util.local(repl, tf.function(lambda: repl.run(fn, args=(name,)))())
+      for got in out:
+        self.assertAllClose(got, want[:n], atol=1e-6, rtol=0, msg=name)
+    # 6 int32 positions vs 2 chunks of 1-byte counts (1 word) + 6 one-byte
+    # offsets (2 words).
+    self.assertEqual(sizes, {"int32": 6, "chunk16": 1 + 3, "chunk8": 1 + 2})
+
+
 if __name__ == "__main__":
   tf.test.main()

@@ -6,6 +6,12 @@ was sent (dense SUM for `Dense`). It may keep per-replica state per variable
 (error-feedback residuals, thresholds) in `PerReplicaState`, created lazily the
 first time it sees a variable and tracked for checkpoints. Compressors know
 nothing of Keras; `tf_dct.keras` adapts each Keras flavour to this interface.
+
+Accounting: inside `reduce`, a compressor calls `record(variable, ...)` once
+per variable with what this replica gathered / all-reduced, the nnz of the
+aggregate, its threshold and selection time; `aggregate` turns the records
+into per-replica statistics (see `tf_dct.compression.accounting` for the byte
+model), readable with `communication_stats()` and written as summaries.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import threading
 from typing import Sequence
 
 import tensorflow as tf
+
+from tf_dct.compression import accounting
 
 
 class Compressor(tf.Module):
@@ -26,6 +34,11 @@ class Compressor(tf.Module):
     self._lock = threading.Lock()
     self._keys = {}          # variable ref -> state key, in first-seen order
     self.state = {}          # state key -> dict of PerReplicaState (tracked)
+    self.accounting = accounting.Accounting()
+    self._recording = threading.local()  # per replica thread: key -> Record
+    # None: time selection and write summaries unless the bound replicator
+    # compiles with XLA; False: never (e.g. under your own jit_compile).
+    self.time_selection = None
 
   @property
   def replicator(self):
@@ -58,6 +71,61 @@ class Compressor(tf.Module):
     raise NotImplementedError
 
   # -- shared machinery -----------------------------------------------------------
+
+  @property
+  def timing_enabled(self) -> bool:
+    """Whether selection time is measured (tf.timestamp has no XLA kernel)."""
+    if self.time_selection is not None:
+      return bool(self.time_selection)
+    return not getattr(self._replicator, "_jit_compile", False)
+
+  def record(self, variable: tf.Variable, *, gather_bytes: int = 0,
+             reduce_bytes: int = 0, nnz=None, sent=None, threshold=None,
+             selection_seconds=None, counters=None) -> None:
+    """Reports what this replica did for `variable` in the current step.
+
+    Call from `reduce`, at most once per variable and step. Bytes are static
+    per replica: `gather_bytes` (P) put into all-gathers, `reduce_bytes` (M)
+    all-reduced. `nnz` (non-zero entries of the aggregated update) and `sent`
+    (entries this replica sent) default to N. Outside `aggregate` it does
+    nothing.
+    """
+    records = getattr(self._recording, "records", None)
+    if records is None:
+      return
+    size = variable.shape.num_elements()
+    records[self._keys[variable.ref()]] = (variable, accounting.Record(
+        size=size, dtype=variable.dtype, gather_bytes=gather_bytes,
+        reduce_bytes=reduce_bytes, nnz=size if nnz is None else nnz,
+        sent=size if sent is None else sent, threshold=threshold,
+        selection_seconds=selection_seconds, counters=dict(counters or {})))
+
+  def communication_stats(self) -> dict:
+    """Per-replica communication statistics as plain Python / numpy values.
+
+    Keys: `num_replicas`, `replica_ids` (this worker's), `steps` (per
+    replica), `last` and `total` (this step / cumulative; each maps a field
+    of `accounting.FIELDS`, `density` and `local_density` to a per-replica
+    list) and `variables` (per variable name: `size`, `steps`, `last` (with
+    `threshold`), `total`, and `counters` when the compressor reports any).
+    """
+    if self._replicator is None:
+      raise RuntimeError("bind the compressor (replicator.wrap_optimizer) first")
+    return self.accounting.to_python(self._replicator)
+
+  def _account(self, ctx, records: dict, results) -> None:
+    """Turns this step's records into statistics, after the collectives."""
+    with self._lock, tf.init_scope():
+      for key, (var, rec) in records.items():
+        self.accounting.ensure(self, key, var.name.split(":")[0], rec.counters)
+    local0 = tf.get_static_value(ctx.replica_id_in_sync_group)
+    summaries = (self.timing_enabled and local0 is not None
+                 and int(local0) == self._replicator.first_local_replica_id)
+    done = [r.values if isinstance(r, tf.IndexedSlices) else r
+            for r in results if r is not None]
+    with tf.control_dependencies(done):
+      self.accounting.update({k: rec for k, (_, rec) in records.items()},
+                             ctx.num_replicas_in_sync, summaries)
 
   def per_replica_state(self, initial_value, name: str):
     if self._replicator is None:
@@ -96,6 +164,15 @@ class Compressor(tf.Module):
       return grads_and_vars
     grads = [g for g, _ in pairs]
     variables = [v for _, v in pairs]
-    reduced = iter(self.reduce(ctx, grads, variables, self._states_for(variables)))
+    states = self._states_for(variables)
+    self._recording.records = {}
+    try:
+      reduced = self.reduce(ctx, grads, variables, states)
+      records = self._recording.records
+    finally:
+      self._recording.records = None
+    if records and self._replicator is not None:
+      self._account(ctx, records, reduced)
+    reduced = iter(reduced)
     return [(None, v) if g is None else (next(reduced), v)
             for g, v in grads_and_vars]

@@ -43,8 +43,33 @@ them exactly):
   residual is never updated with them. State is written only after the step's
   collectives complete, and those wait for every replica's checks, so when one
   replica fails no replica's state advances (replicas stay in step).
-* IndexedSlices gradients (embeddings) are densified with
-  `tf.convert_to_tensor`. TODO: a sparse-aware path.
+* IndexedSlices gradients (embeddings) are not densified. Duplicate row ids
+  are combined first (a static-shape sort and segment sum, summing in the
+  order `tf.convert_to_tensor` would, so the result is bit-identical to the
+  densified path), then the combined rows are scatter-added into a copy of
+  the residual. What this saves: the table-sized dense gradient and the add
+  with the residual. What it does not: the residual is table-shaped state,
+  so the accumulator, the threshold and the mask still cover every entry
+  (O(N) per step): an untouched row may hold residual above the threshold,
+  and the paper's order statistic is over all N entries. The wire carries
+  only the selected entries either way. Variables below `min_size` are
+  densified (they go through a dense all-reduce).
+* Density guard (beyond the paper, `density_band=(low, high)`): on a step
+  that would reuse tau, if the entries selecting with the old tau number
+  fewer than low * K or more than high * K (local density outside
+  [low * K / N, high * K / N]), tau is recomputed in the same step (no
+  collective is involved, so it stays a local `tf.cond`). Such early
+  refreshes are counted per variable and replica (`communication_stats()`,
+  counter "early_refreshes"). It costs one more compare-and-count pass over
+  the accumulator per step.
+* Index encoding: `index_encoding` ("auto" by default) picks the wire layout
+  of positions, see `sparse_wire`; the chunked layouts cut the index bytes
+  to 1-2 per slot plus per-chunk counts.
+* Accounting: per variable it reports the all-gather payload
+  (`sparse_wire.wire_bytes`), the dense all-reduce of warmup-capable
+  compressors, nnz of the aggregated update (n on dense steps), entries sent,
+  tau, the selection time (accumulator to packed buffers), and the counters
+  "refreshes", "overflow" (and "early_refreshes" with a density band).
 
 State per compressed variable and replica: `residual` (E, variable shape),
 `threshold` (tau, scalar), `step` (k, int64), and two int32 statistics of the
@@ -61,6 +86,7 @@ import re
 
 import tensorflow as tf
 
+from tf_dct.compression import accounting
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
 
@@ -108,6 +134,46 @@ def _check_number(name, value, kind, lo, lo_open, hi=None, hi_open=False):
   return value
 
 
+def _check_band(band):
+  """Returns `band` as a float pair, or raises ValueError naming density_band."""
+  if band is None:
+    return None
+  try:
+    low, high = band
+    ok = all(isinstance(b, numbers.Real) and not isinstance(b, bool)
+             and math.isfinite(b) for b in (low, high))
+    ok = ok and 0 <= low <= 1 <= high and low < high
+  except (TypeError, ValueError):
+    ok = False
+  if not ok:
+    raise ValueError("DCTDP: density_band must be None or a pair (low, high) "
+                     f"of numbers with 0 <= low <= 1 <= high and low < high, "
+                     f"got {band!r}")
+  return float(low), float(high)
+
+
+def _combine_rows(slices: tf.IndexedSlices, width: int):
+  """Sums duplicate rows of `slices` with static shapes.
+
+  Returns `(row_ids, values)`: int32[k] distinct row ids (unused entries: 0)
+  and [k, width] their summed values (unused: 0), k = number of slices.
+  Duplicates are summed in their original order, as
+  `tf.convert_to_tensor(slices)` does.
+  """
+  ids = tf.cast(slices.indices, tf.int32)
+  values = tf.reshape(slices.values, [-1, width])
+  k = tf.shape(ids)[0]
+  order = tf.argsort(ids, stable=True)
+  sorted_ids = tf.gather(ids, order)
+  first = tf.concat([tf.ones([1], tf.bool), sorted_ids[1:] != sorted_ids[:-1]], 0)
+  seg_sorted = tf.cumsum(tf.cast(first, tf.int32)) - 1
+  seg = tf.scatter_nd(order[:, None], seg_sorted, [k])  # segment of each slice
+  summed = tf.math.unsorted_segment_sum(values, seg, k)
+  row_ids = tf.scatter_nd(seg_sorted[:, None],
+                          tf.where(first, sorted_ids, 0), [k])
+  return row_ids, summed
+
+
 class DCTDP(Compressor):
   """DCT-DP gradient compressor (per variable, per replica error feedback).
 
@@ -123,14 +189,20 @@ class DCTDP(Compressor):
       an int >= 0.
     warmup_steps: steps during which every variable goes dense, an int >= 0.
     name: module name.
+    density_band: None (off) or `(low, high)` with 0 <= low <= 1 <= high,
+      low < high: refresh tau early when this replica's local density of a
+      variable leaves [low * K / N, high * K / N].
+    index_encoding: "auto", "int32", "chunk16" or "chunk8" (see
+      `sparse_wire`).
 
-  See the module docstring for the exact conventions. TODO: IndexedSlices
-  gradients are converted to dense tensors for now.
+  See the module docstring for the exact conventions.
   """
 
   def __init__(self, sparsity: float = 0.99, threshold_life: int = 1000,
                capacity_factor: float = 2.0, min_size: int = 0,
-               warmup_steps: int = 0, name: str | None = None):
+               warmup_steps: int = 0, name: str | None = None,
+               density_band: tuple[float, float] | None = None,
+               index_encoding: str = "auto"):
     super().__init__(name=name)
     self.sparsity = float(_check_number("sparsity", sparsity, numbers.Real,
                                         0, True, 1, True))
@@ -142,6 +214,11 @@ class DCTDP(Compressor):
                                       0, False))
     self.warmup_steps = int(_check_number("warmup_steps", warmup_steps,
                                           numbers.Integral, 0, False))
+    self.density_band = _check_band(density_band)
+    if index_encoding != "auto" and index_encoding not in sparse_wire.ENCODINGS:
+      raise ValueError(f"DCTDP: index_encoding must be 'auto' or one of "
+                       f"{sparse_wire.ENCODINGS}, got {index_encoding!r}")
+    self.index_encoding = index_encoding
 
   def _is_dense(self, variable) -> bool:
     n = variable.shape.num_elements()
@@ -177,30 +254,40 @@ class DCTDP(Compressor):
     }
 
   def reduce(self, ctx, grads, variables, states):
-    # TODO(issue 3): IndexedSlices are densified here; add a sparse-aware path.
-    grads = [tf.convert_to_tensor(g) for g in grads]
-    checked = [
-        tf.debugging.check_numerics(
-            g, f"DCTDP: non-finite gradient for variable {v.name}")
-        for g, v in zip(grads, variables)]
+    grads = [tf.convert_to_tensor(g)
+             if not st or not isinstance(g, tf.IndexedSlices) else g
+             for g, st in zip(grads, states)]
+    checked = []
+    for g, v in zip(grads, variables):
+      message = f"DCTDP: non-finite gradient for variable {v.name}"
+      if isinstance(g, tf.IndexedSlices):
+        checked.append(tf.IndexedSlices(
+            tf.debugging.check_numerics(g.values, message), g.indices,
+            g.dense_shape))
+      else:
+        checked.append(tf.debugging.check_numerics(g, message))
+    deps = [g.values if isinstance(g, tf.IndexedSlices) else g for g in checked]
     results = [None] * len(grads)
     dense_items = []    # (position in results, tensor to all-reduce)
     sparse_items = []   # (position, idx, val, n, shape)
     writes = []         # deferred state updates, one closure per variable
+    reports = {}        # position -> (record kwargs, warm) of sparse variables
     # No state is read before every gradient of this replica passed the check.
-    with tf.control_dependencies(checked):
+    with tf.control_dependencies(deps):
       for i, (g, v, st) in enumerate(zip(checked, variables, states)):
         if not st:  # below min_size (or empty): plain dense SUM, no state
           dense_items.append((i, tf.identity(g)))
           continue
-        item, dense_part, write = self._sparsify(g, v, st)
+        item, dense_part, write, report = self._sparsify(g, v, st)
         sparse_items.append((i,) + item)
         writes.append(write)
+        reports[i] = report
         if dense_part is not None:
           dense_items.append((i, dense_part))
       if sparse_items:
         summed = sparse_wire.exchange_many(  # DCT Algorithm 1 line 12
-            ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items])
+            ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items],
+            encoding=self.index_encoding, presorted=True)
         for (i, _, _, _, shape), flat in zip(sparse_items, summed):
           results[i] = tf.reshape(flat, shape)
       if dense_items:
@@ -215,13 +302,28 @@ class DCTDP(Compressor):
     with tf.control_dependencies([r for r in results if r is not None]):
       for write in writes:
         write()
+    self._report(variables, results, reports)
     return results
+
+  def _report(self, variables, results, reports) -> None:
+    """Hands this step's per-variable facts to the accounting of the base."""
+    for i, (v, r) in enumerate(zip(variables, results)):
+      n = v.shape.num_elements()
+      if i not in reports:  # dense variable: all-reduced as it is
+        self.record(v, reduce_bytes=n * v.dtype.size)
+        continue
+      report, warm = reports[i]
+      nnz = tf.math.count_nonzero(r, dtype=tf.int64)
+      if warm is not None:
+        nnz = tf.where(warm, tf.constant(n, tf.int64), nnz)
+      self.record(v, nnz=nnz, **report)
 
   def _sparsify(self, grad, variable, st):
     """Lines 2-11 for one variable on this replica.
 
     Returns the wire buffers `(idx, val, n, shape)`, the dense part (warmup
-    only, else None) and a closure that writes the new state.
+    only, else None), a closure that writes the new state, and what to
+    report to the accounting (`record` arguments, and the warmup flag).
     """
     n = variable.shape.num_elements()
     m = num_below(n, self.sparsity)
@@ -231,8 +333,18 @@ class DCTDP(Compressor):
     step = st["step"].local()
 
     k = step.read_value()
-    acc = tf.reshape(grad, [-1]) + tf.reshape(residual.read_value(), [-1])  # DCT Algorithm 1 line 2
-    magnitude = tf.abs(acc)
+    if isinstance(grad, tf.IndexedSlices):  # DCT Algorithm 1 line 2, row-wise
+      rows = variable.shape[0]
+      row_ids, summed = _combine_rows(grad, n // rows)
+      acc = tf.reshape(tf.tensor_scatter_nd_add(
+          tf.reshape(residual.read_value(), [rows, n // rows]),
+          row_ids[:, None], summed), [-1])
+    else:
+      acc = tf.reshape(grad, [-1]) + tf.reshape(residual.read_value(), [-1])  # DCT Algorithm 1 line 2
+    timing = self.timing_enabled
+    start = accounting.start_timer(acc, timing)
+    with tf.control_dependencies([start] if timing else []):
+      magnitude = tf.abs(acc)
     warm = None
     if self.warmup_steps:
       warm = k < self.warmup_steps
@@ -241,6 +353,18 @@ class DCTDP(Compressor):
           (k - self.warmup_steps) % self.threshold_life == 0)
     else:
       refresh = k % self.threshold_life == 0                      # DCT Algorithm 1 line 3
+    early = None
+    if self.density_band is not None:  # beyond the paper: density guard
+      low, high = self.density_band
+      expected = n - m
+      reused = tf.cast(tf.reduce_sum(tf.cast(
+          magnitude >= threshold.read_value(), tf.int32)), tf.float64)
+      early = tf.logical_and(
+          tf.logical_not(refresh),
+          tf.logical_or(reused < low * expected, reused > high * expected))
+      if warm is not None:
+        early = tf.logical_and(early, tf.logical_not(warm))
+      refresh = tf.logical_or(refresh, early)
     tau = tf.cond(
         refresh,
         lambda: order_statistic_threshold(magnitude, m),           # DCT Algorithm 1 lines 4-5
@@ -257,10 +381,21 @@ class DCTDP(Compressor):
     if warm is not None:
       dense_part = tf.reshape(tf.where(warm, acc, zero), variable.shape)
       new_residual = tf.where(warm, zero, new_residual)
+    seconds = accounting.stop_timer(start, [idx, val, count, fitted], timing)
     selected = tf.reduce_sum(tf.cast(mask, tf.int32))
     if warm is not None:  # a dense step sends all n entries, none overflow
       count = tf.where(warm, n, count)
       selected = tf.where(warm, n, selected)
+    counters = {"refreshes": tf.cast(refresh, tf.int32),
+                "overflow": selected - count}
+    if early is not None:
+      counters["early_refreshes"] = tf.cast(early, tf.int32)
+    report = dict(
+        gather_bytes=sparse_wire.wire_bytes(n, cap, variable.dtype,
+                                            self.index_encoding),
+        reduce_bytes=n * variable.dtype.size if self.warmup_steps else 0,
+        sent=count, threshold=tau, selection_seconds=seconds,
+        counters=counters)
 
     def write():
       residual.assign(tf.reshape(new_residual, variable.shape))
@@ -269,4 +404,4 @@ class DCTDP(Compressor):
       st["sent"].local().assign(count)
       st["overflow"].local().assign(selected - count)
 
-    return (idx, val, n, variable.shape), dense_part, write
+    return (idx, val, n, variable.shape), dense_part, write, (report, warm)

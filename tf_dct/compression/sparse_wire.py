@@ -19,16 +19,171 @@ can keep the rest (e.g. in an error-feedback residual) instead of losing them.
 Exchange all-gathers every replica's buffers and scatter-adds them into a dense
 vector of length `n + 1`; slot `n` collects the padding and is cut off, so
 padding never contributes, and positions chosen by several replicas are summed.
+
+Index encodings. Positions travel as int32 words (collectives move no 8- or
+16-bit integers), in one of these layouts, chosen per (n, capacity):
+
+* "int32": one word per slot, the position itself (padding = n).
+* "chunk16" / "chunk8": the vector is cut into chunks of 65536 / 256 entries.
+  A slot carries only its offset inside its chunk (2 / 1 bytes); which chunk
+  it belongs to follows from per-chunk counts sent ahead of the offsets (1, 2
+  or 4 bytes each: the narrowest that holds min(chunk, capacity)). Offsets and
+  counts are packed four bytes to an int32 word, so the words on the wire
+  really are fewer. Needs the positions in increasing order with the padding
+  last, which `compact` produces; `exchange_many` sorts other buffers first.
+
+"auto" takes the layout with the fewest words (ties: int32, chunk16, chunk8).
+`wire_bytes` is what one replica contributes to the all-gather: the index
+words plus the value slots, padding included.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Sequence
 
 import tensorflow as tf
 
 # Positions travel as int32, so a vector must have fewer entries than this.
 MAX_SIZE = 2**31 - 1
+
+ENCODINGS = ("int32", "chunk16", "chunk8")
+_CHUNK = {"chunk16": (2**16, 2), "chunk8": (2**8, 1)}  # chunk length, offset bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+  """The static layout of one vector's index words on the wire.
+
+  Attributes:
+    name: one of `ENCODINGS`.
+    n: length of the dense vector.
+    capacity: slots per replica.
+    chunk: chunk length (0 for "int32").
+    offset_bytes: bytes per slot offset (4 for "int32").
+    count_bytes: bytes per chunk count (0 for "int32").
+  """
+  name: str
+  n: int
+  capacity: int
+  chunk: int
+  offset_bytes: int
+  count_bytes: int
+
+  @property
+  def num_chunks(self) -> int:
+    return math.ceil(self.n / self.chunk) if self.chunk else 0
+
+  @property
+  def count_words(self) -> int:
+    return math.ceil(self.num_chunks * self.count_bytes / 4)
+
+  @property
+  def offset_words(self) -> int:
+    return math.ceil(self.capacity * self.offset_bytes / 4)
+
+  @property
+  def words(self) -> int:
+    """int32 words of index data per replica (counts + offsets)."""
+    return self.count_words + self.offset_words
+
+  @property
+  def index_bytes(self) -> int:
+    return 4 * self.words
+
+
+def _narrowest(max_value: int) -> int:
+  return 1 if max_value < 2**8 else 2 if max_value < 2**16 else 4
+
+
+def make_encoding(name: str, n: int, capacity: int) -> Encoding:
+  """The layout `name` ("int32", "chunk16", "chunk8" or "auto") for (n, capacity)."""
+  if name == "auto":
+    return choose_encoding(n, capacity)
+  if name == "int32":
+    return Encoding("int32", n, capacity, 0, 4, 0)
+  if name not in _CHUNK:
+    raise ValueError(f"index encoding must be 'auto' or one of {ENCODINGS}, "
+                     f"got {name!r}")
+  chunk, offset_bytes = _CHUNK[name]
+  return Encoding(name, n, capacity, chunk, offset_bytes,
+                  _narrowest(min(chunk, capacity, n)))
+
+
+def choose_encoding(n: int, capacity: int) -> Encoding:
+  """The layout with the fewest index words for (n, capacity)."""
+  candidates = [make_encoding(name, n, capacity) for name in ENCODINGS]
+  return min(candidates, key=lambda e: e.words)  # min keeps the first on ties
+
+
+def wire_bytes(n: int, capacity: int, dtype, encoding: str = "auto") -> int:
+  """Bytes one replica contributes to the all-gather for one vector.
+
+  Index words (counts, offsets, padding) plus `capacity` value slots.
+  """
+  value_bytes = tf.as_dtype(dtype).size
+  return make_encoding(encoding, n, capacity).index_bytes + capacity * value_bytes
+
+
+def _pack(values: tf.Tensor, nbytes: int, words: int) -> tf.Tensor:
+  """Packs int32 `values` (each < 256**nbytes) into `words` int32 words."""
+  if nbytes == 4:
+    raw = tf.bitcast(values, tf.uint8)
+  elif nbytes == 2:
+    raw = tf.bitcast(tf.cast(values, tf.uint16), tf.uint8)
+  else:
+    raw = tf.cast(values, tf.uint8)
+  raw = tf.reshape(raw, [-1])
+  raw = tf.pad(raw, [[0, 4 * words - raw.shape[0]]])
+  return tf.bitcast(tf.reshape(raw, [words, 4]), tf.int32)
+
+
+def _unpack(words: tf.Tensor, nbytes: int, length: int) -> tf.Tensor:
+  """Inverse of `_pack`: the first `length` values as int32."""
+  raw = tf.reshape(tf.bitcast(words, tf.uint8), [-1])[:length * nbytes]
+  if nbytes == 1:
+    return tf.cast(raw, tf.int32)
+  raw = tf.reshape(raw, [length, nbytes])
+  if nbytes == 2:
+    return tf.cast(tf.bitcast(raw, tf.uint16), tf.int32)
+  return tf.bitcast(raw, tf.int32)
+
+
+def encode_indices(idx: tf.Tensor, encoding: Encoding) -> tf.Tensor:
+  """int32[encoding.words] wire words for positions `idx` (padding = n).
+
+  For the chunked layouts `idx` must be increasing with the padding last
+  (as `compact` returns it).
+  """
+  if encoding.name == "int32":
+    return tf.cast(idx, tf.int32)
+  n, chunk, nc = encoding.n, encoding.chunk, encoding.num_chunks
+  idx = tf.cast(idx, tf.int32)
+  valid = idx < n
+  offsets = tf.where(valid, idx % chunk, 0)
+  chunk_id = tf.where(valid, idx // chunk, nc)  # padding -> dump segment nc
+  counts = tf.math.unsorted_segment_sum(tf.cast(valid, tf.int32), chunk_id,
+                                        nc + 1)[:nc]
+  return tf.concat([_pack(counts, encoding.count_bytes, encoding.count_words),
+                    _pack(offsets, encoding.offset_bytes, encoding.offset_words)],
+                   axis=0)
+
+
+def decode_indices(words: tf.Tensor, encoding: Encoding) -> tf.Tensor:
+  """Inverse of `encode_indices`: int32[capacity] positions, padding = n."""
+  if encoding.name == "int32":
+    return words
+  n, cap, nc = encoding.n, encoding.capacity, encoding.num_chunks
+  counts = _unpack(words[:encoding.count_words], encoding.count_bytes, nc)
+  offsets = _unpack(words[encoding.count_words:], encoding.offset_bytes, cap)
+  ends = tf.cumsum(counts)  # slot j is in chunk c iff ends[c-1] <= j < ends[c]
+  # chunk of slot j = number of chunks ending at or before j (O(nc + capacity)).
+  ended = tf.math.unsorted_segment_sum(tf.ones([nc], tf.int32),
+                                       tf.minimum(ends, cap), cap + 1)[:cap]
+  chunk_id = tf.cumsum(ended)
+  slot = tf.range(cap, dtype=tf.int32)
+  return tf.where(slot < ends[-1], chunk_id * encoding.chunk + offsets, n)
 
 
 def compact(acc_flat: tf.Tensor, mask: tf.Tensor, capacity: int):
@@ -75,12 +230,18 @@ def scatter_sum(idx: tf.Tensor, val: tf.Tensor, n: int) -> tf.Tensor:
 
 
 def exchange_many(ctx: tf.distribute.ReplicaContext,
-                  buffers: Sequence[tuple[tf.Tensor, tf.Tensor, int]]) -> list:
+                  buffers: Sequence[tuple[tf.Tensor, tf.Tensor, int]],
+                  encoding: str = "auto", presorted: bool = False) -> list:
   """`exchange` for several vectors with one batched all-gather.
 
   Args:
     ctx: the replica context of the calling replica.
-    buffers: `(idx, val, n)` per vector, as produced by `compact`.
+    buffers: `(idx, val, n)` per vector: positions (padding = n) and values of
+      one static length, e.g. as produced by `compact`.
+    encoding: index layout for every vector, "auto" (per vector, see
+      `choose_encoding`) or one of `ENCODINGS`.
+    presorted: True promises increasing positions with the padding last (the
+      layout of `compact`); otherwise a chunked layout sorts them first.
 
   Returns:
     Per vector, the dense length-n sum over replicas (same on every replica).
@@ -88,17 +249,30 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   buffers = list(buffers)
   if not buffers:
     return []
-  gathered = ctx.all_gather([[idx, val] for idx, val, _ in buffers], axis=0)
-  return [scatter_sum(idx, val, n)
-          for (idx, val), (_, _, n) in zip(gathered, buffers)]
+  payload, layouts = [], []
+  for idx, val, n in buffers:
+    enc = make_encoding(encoding, n, idx.shape[0])
+    if enc.name != "int32" and not presorted:
+      order = tf.argsort(idx, stable=True)
+      idx, val = tf.gather(idx, order), tf.gather(val, order)
+    payload.append([encode_indices(idx, enc), val])
+    layouts.append(enc)
+  gathered = ctx.all_gather(payload, axis=0)
+  out = []
+  for (words, val), enc in zip(gathered, layouts):
+    rows = tf.reshape(words, [-1, enc.words])
+    idx = tf.concat([decode_indices(rows[r], enc)
+                     for r in range(rows.shape[0])], axis=0)
+    out.append(scatter_sum(idx, val, enc.n))
+  return out
 
 
 def exchange(ctx: tf.distribute.ReplicaContext, idx: tf.Tensor, val: tf.Tensor,
-             n: int) -> tf.Tensor:
+             n: int, encoding: str = "auto", presorted: bool = False) -> tf.Tensor:
   """Sums every replica's packed entries into a dense vector of length n.
 
   Every replica calls it with its own buffers; all replicas get the same
   result. Positions sent by several replicas are added up; padding slots
   (index n) contribute nothing.
   """
-  return exchange_many(ctx, [(idx, val, n)])[0]
+  return exchange_many(ctx, [(idx, val, n)], encoding, presorted)[0]

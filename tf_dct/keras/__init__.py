@@ -4,7 +4,8 @@ tf-keras exposes a public hook, `Optimizer.aggregate_gradients`; Keras 3 (TF
 backend) aggregates in the private `TFOptimizer._all_reduce_sum_gradients`
 (pinned in `tf_dct._private`). Either way the optimizer instance gets a
 subclass of its own class that overrides that one method, so its state,
-hyper-parameters, serialization and checkpoint layout stay as they were.
+hyper-parameters, serialization and checkpoint layout stay as they were. The
+mixins also add `communication_stats()`, a passthrough to the compressor.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ def _swap_class(optimizer, hook_mixin):
 
 def is_wrapped(optimizer) -> bool:
   return getattr(optimizer, "_tf_dct_compressor", None) is not None
+
+
+def communication_stats(optimizer) -> dict:
+  """`optimizer.communication_stats()` of a wrapped optimizer."""
+  if not is_wrapped(optimizer):
+    raise ValueError("optimizer is not wrapped by tf_dct.wrap_optimizer")
+  return optimizer._tf_dct_compressor.communication_stats()  # pylint: disable=protected-access
 
 
 def wrap_optimizer(optimizer, compressor: Compressor, replicator):

@@ -19,6 +19,10 @@ class AggregateWithCompressor:
   def _all_reduce_sum_gradients(self, grads_and_vars):
     return self._tf_dct_compressor.aggregate(grads_and_vars)
 
+  def communication_stats(self) -> dict:
+    """The compressor's statistics; see `Compressor.communication_stats`."""
+    return self._tf_dct_compressor.communication_stats()
+
 
 assert AggregateWithCompressor._all_reduce_sum_gradients.__name__ == (
     _private.KERAS3_AGGREGATION_METHOD)

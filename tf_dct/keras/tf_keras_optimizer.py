@@ -16,3 +16,7 @@ class AggregateWithCompressor:
 
   def aggregate_gradients(self, grads_and_vars):
     return self._tf_dct_compressor.aggregate(grads_and_vars)
+
+  def communication_stats(self) -> dict:
+    """The compressor's statistics; see `Compressor.communication_stats`."""
+    return self._tf_dct_compressor.communication_stats()

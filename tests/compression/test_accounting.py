@@ -1,0 +1,147 @@
+"""Tests for the communication accounting of compressors (exact byte model)."""
+
+import glob
+
+import numpy as np
+import tensorflow as tf
+
+import tf_dct
+from tf_dct.compression import DCTDP
+from tf_dct.compression import Dense
+from tf_dct.compression import accounting
+from tf_dct.compression import sparse_wire
+from tests import util
+
+
+def setUpModule():
+  util.setup_cpus()
+
+
+def _run(compressor, grads, shapes, replicas, logdir=None):
+  """Feeds grads[t][r][v] through `compressor`; returns per-step outputs."""
+  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
+                           input_replication=tf_dct.PER_REPLICA)
+  compressor.bind(repl)
+  with repl.scope():
+    variables = [tf.Variable(tf.zeros(s), name=f"w{i}")
+                 for i, s in enumerate(shapes)]
+
+  def input_fn(replica_id):
+    return tf.data.Dataset.from_tensor_slices(tuple(
+        np.stack([g[replica_id][v] for g in grads]) for v in range(len(shapes))))
+
+  def step_fn(g):
+    return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
+
+  writer = tf.summary.create_file_writer(logdir) if logdir else None
+  outs = []
+  for _ in grads:
+    if writer:
+      with writer.as_default():
+        outs.append(util.local(repl, repl.run(step_fn, input_fn)))
+    else:
+      outs.append(util.local(repl, repl.run(step_fn, input_fn)))
+  if writer:
+    writer.flush()
+  return outs
+
+
+def _events(logdir):
+  """{tag: [(step, value)]} of every scalar written under `logdir`."""
+  out = {}
+  for path in glob.glob(f"{logdir}/events.out.tfevents.*"):
+    for raw in tf.data.TFRecordDataset(path):
+      event = tf.compat.v1.Event.FromString(raw.numpy())
+      for v in event.summary.value:
+        value = tf.make_ndarray(v.tensor).item()
+        out.setdefault(v.tag, []).append((event.step, value))
+  return out
+
+
+class ByteModelTest(tf.test.TestCase):
+
+  def test_ring_formulas(self):
+    self.assertEqual(accounting.all_gather_bytes(24, 4), 72)
+    self.assertEqual(accounting.all_reduce_bytes(100, 4), 150)
+    self.assertEqual(accounting.all_reduce_bytes(100, 1), 0)
+
+  def test_dct_dp_exact_on_two_replicas_with_summaries(self):
+    # w0: 40 entries, sparsity 0.9 -> K = 4 = capacity (factor 1); chunk8
+    # layout (1 chunk): 1 count word + 4 one-byte offsets in 1 word.
+    # w1: 3 entries < min_size -> dense all-reduce of 12 bytes.
+    replicas, shapes = 2, [(40,), (3,)]
+    rng = np.random.default_rng(0)
+    grads = [[[rng.normal(size=s).astype(np.float32) for s in shapes]
+              for _ in range(replicas)] for _ in range(2)]
+    self.assertEqual(sparse_wire.choose_encoding(40, 4).name, "chunk8")
+    p = 4 + 4 + 4 * 4            # count word + offset word + 4 float32 values
+    m = 3 * 4
+    sent = (replicas - 1) * p + 2 * (replicas - 1) / replicas * m   # 36
+    dense = 2 * (replicas - 1) / replicas * 4 * 43                  # 172
+    logdir = self.create_tempdir().full_path
+    compressor = DCTDP(sparsity=0.9, threshold_life=10, capacity_factor=1.0,
+                       min_size=10)
+    outs = _run(compressor, grads, shapes, replicas, logdir)
+    stats = compressor.communication_stats()
+    self.assertEqual(stats["num_replicas"], 2)
+    self.assertEqual(stats["steps"], [2, 2])
+    last, total = stats["last"], stats["total"]
+    self.assertEqual(last["bytes_sent"], [sent] * 2)
+    self.assertEqual(last["bytes_received"], [sent] * 2)
+    self.assertEqual(last["payload_bytes"], [p + m] * 2)
+    self.assertEqual(last["dense_bytes"], [dense] * 2)
+    self.assertEqual(last["dense_payload_bytes"], [4 * 43] * 2)
+    self.assertEqual(total["bytes_sent"], [2 * sent] * 2)
+    self.assertEqual(total["dense_bytes"], [2 * dense] * 2)
+    nnz0 = int(np.count_nonzero(outs[-1][0][0]))
+    self.assertEqual(last["nnz"], [nnz0 + 3] * 2)
+    self.assertAllClose(last["density"], [(nnz0 + 3) / 43] * 2)
+    self.assertEqual(last["sent"], [4 + 3] * 2)
+    w0 = stats["variables"]["w0"]
+    self.assertEqual(w0["size"], 40)
+    self.assertEqual(w0["last"]["payload_bytes"], [p] * 2)
+    self.assertAllClose(w0["last"]["density"], [nnz0 / 40] * 2)
+    self.assertEqual(w0["last"]["local_density"], [0.1, 0.1])
+    taus = compressor.state_for(_var(compressor, "w0"))["threshold"].numpy()
+    self.assertEqual(w0["last"]["threshold"], [float(t) for t in taus])
+    self.assertEqual(w0["counters"]["refreshes"], [1, 1])  # step 0 only
+    self.assertEqual(stats["variables"]["w1"]["last"]["density"], [1.0, 1.0])
+    self.assertTrue(all(s >= 0 for s in total["selection_seconds"]))
+    # Summaries from local replica 0, stepped by the compressor's counter.
+    events = _events(logdir)
+    self.assertEqual(events["tf_dct/bytes_sent"], [(1, sent), (2, sent)])
+    self.assertEqual(events["tf_dct/dense_bytes"], [(1, dense), (2, dense)])
+    self.assertAllClose(events["tf_dct/density/w0"][-1][1], nnz0 / 40)
+    self.assertAllClose(events["tf_dct/threshold/w0"][-1][1], taus[0])
+    self.assertIn("tf_dct/density", events)
+    self.assertIn("tf_dct/refreshes/w0", events)
+
+  def test_dense_reports_on_four_replicas(self):
+    replicas, shapes = 4, [(5, 2)]
+    grads = [[[np.ones(shapes[0], np.float32)] for _ in range(replicas)]]
+    compressor = Dense()
+    _run(compressor, grads, shapes, replicas)
+    stats = compressor.communication_stats()
+    want = 2 * 3 / 4 * 40
+    self.assertEqual(stats["last"]["bytes_sent"], [want] * 4)
+    self.assertEqual(stats["last"]["dense_bytes"], [want] * 4)
+    self.assertEqual(stats["last"]["payload_bytes"], [40.0] * 4)
+    self.assertEqual(stats["last"]["density"], [1.0] * 4)
+
+  def test_no_steps_yet(self):
+    compressor = DCTDP()
+    compressor.bind(tf_dct.Replicator(["/cpu:0", "/cpu:1"]))
+    stats = compressor.communication_stats()
+    self.assertEqual(stats["steps"], [0, 0])
+    self.assertEqual(stats["variables"], {})
+
+
+def _var(compressor, name):
+  for ref, _ in compressor._keys.items():  # pylint: disable=protected-access
+    if ref.deref().name.startswith(name + ":"):
+      return ref.deref()
+  raise KeyError(name)
+
+
+if __name__ == "__main__":
+  tf.test.main()

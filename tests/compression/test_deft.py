@@ -1,0 +1,366 @@
+"""Tests for tf_dct.compression.DEFT against the numpy reference."""
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+import tf_dct
+from tf_dct.compression import DEFT
+from tf_dct.compression import deft
+from tests import util
+from tests.compression import reference_deft as reference
+
+
+def setUpModule():
+  util.setup_cpus()
+
+
+# n_g = 3204, a few layers of a few thousand entries. At density 0.03,
+# k_total = 96; on 4 replicas the two kernels split into 4 pieces each, so
+# P = 10 and sum_x k_x <= k_total + P - 1 = 105 (+9.4%): the density band holds
+# whatever the gradients. The last variable is full of ties.
+SHAPES = [(48, 40), (40, 24), (24,), (30, 10)]
+SCALES = [1.0, 3.0, 0.5, 1.0]
+DENSITY = 0.03
+
+
+def _gradients(steps, replicas, seed=0, shapes=SHAPES):
+  """grads[t][r][v]: per-variable scales differ so local k differs."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(steps):
+    per_replica = []
+    for _ in range(replicas):
+      gs = [(rng.normal(size=s) * c).astype(np.float32)
+            for s, c in zip(shapes[:-1], SCALES)]
+      gs.append((np.round(rng.normal(size=shapes[-1]) * 2) / 2).astype(np.float32))
+      per_replica.append(gs)
+    out.append(per_replica)
+  return out
+
+
+def _run(compressor, grads, replicas, jit_compile=False, shapes=SHAPES):
+  """Feeds grads[t][r][v] to `compressor`; returns (updates, states) per step."""
+  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
+                           input_replication=tf_dct.PER_REPLICA,
+                           jit_compile=jit_compile)
+  compressor.bind(repl)
+  with repl.scope():
+    variables = [tf.Variable(tf.zeros(s), name=f"w{i}")
+                 for i, s in enumerate(shapes)]
+  steps = len(grads)
+
+  def input_fn(replica_id):
+    return tf.data.Dataset.from_tensor_slices(tuple(
+        np.stack([grads[t][replica_id][v] for t in range(steps)])
+        for v in range(len(shapes))))
+
+  def step_fn(g):
+    return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
+
+  history = []
+  for _ in range(steps):
+    out = util.local(repl, repl.run(step_fn, input_fn))
+    states = [{key: s.numpy() for key, s in st.items()}
+              for st in (compressor.state_for(v) for v in variables)]
+    history.append((out, states))
+  return repl, step_fn, history
+
+
+class DEFTReferenceTest(tf.test.TestCase, parameterized.TestCase):
+
+  def _compare(self, replicas, kwargs, steps=8, jit_compile=False):
+    grads = _gradients(steps, replicas, seed=replicas)
+    repl, step_fn, history = _run(DEFT(**kwargs), grads, replicas,
+                                  jit_compile=jit_compile)
+    ref = reference.deft_reference(grads, **kwargs)
+    comp = [v for v, st in enumerate(history[0][1]) if st]
+    n_g = sum(int(np.prod(SHAPES[v])) for v in comp)
+    for t, (ref_step, (out, states)) in enumerate(zip(ref, history)):
+      for r in range(replicas):
+        for v in range(len(SHAPES)):
+          # Every replica applies the same update: the reference's sum.
+          self.assertAllClose(out[r][v], ref_step.update[v], atol=1e-6, rtol=1e-6,
+                              msg=f"update var {v} step {t} replica {r}")
+        for i, v in enumerate(comp):
+          st = states[v]
+          self.assertAllEqual(st["residual"][r], ref_step.residuals[r][i],
+                              msg=f"residual var {v} step {t} replica {r}")
+          self.assertEqual(st["sent"][r], ref_step.sent[i])
+          self.assertEqual(st["selected"][r], ref_step.selected_count[r][i],
+                           msg=f"selected var {v} step {t} replica {r}")
+          self.assertEqual(st["step"][r], t + 1)
+      if t >= kwargs.get("warmup_steps", 0):
+        # Selections are disjoint: the union has exactly sum_x k_x entries,
+        # and the achieved density stays within 10% of the set one.
+        union = sum(states[v]["sent"][0] for v in comp)
+        self.assertEqual(union, sum(ref_step.k))
+        self.assertEqual(union, ref_step.union.sum())
+        self.assertEqual(sum(len(c) for c in ref_step.selected), union)
+        self.assertBetween(union / n_g, 0.9 * kwargs["density"],
+                           1.1 * kwargs["density"])
+    return repl, step_fn, ref
+
+  @parameterized.named_parameters(
+      ("1_replica", 1, {}),
+      ("2_replicas", 2, {}),
+      ("4_replicas", 4, {}),
+      ("2_replicas_warmup_min_size", 2, {"warmup_steps": 2, "min_size": 25}),
+  )
+  def test_matches_reference(self, replicas, extra):
+    kwargs = dict(density=DENSITY, **extra)
+    _, _, ref = self._compare(replicas, kwargs)
+    # The run exercised what it is meant to: k differs between partitions,
+    # owners rotate, and with n > 1 every replica selected something.
+    self.assertGreater(len(set(ref[-1].k)), 2)
+    if replicas > 1:
+      self.assertNotEqual(ref[-1].owners, ref[-2].owners)
+      for r in range(replicas):
+        self.assertNotEmpty(ref[-1].selected[r])
+
+  def test_compiles_with_xla(self):
+    kwargs = dict(density=DENSITY, warmup_steps=1, min_size=25)
+    # jit_compile=True turns any op XLA cannot compile into an error, so the
+    # run itself proves the step (dense, warmup and sparse paths) compiles.
+    repl, step_fn, _ = self._compare(1, kwargs, steps=4, jit_compile=True)
+    step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
+    self.assertTrue(step.replicated_step._jit_compile)  # pylint: disable=protected-access
+
+
+class PlanTest(tf.test.TestCase):
+  """Partition, local k, packing and owners: TF == reference."""
+
+  def test_partition(self):
+    # n_g = 15, n = 4: only 10 > 3.75 splits, remainder to the first pieces.
+    self.assertEqual([(p.variable, p.start, p.size)
+                      for p in deft.partition([10, 3, 2], 4)],
+                     [(0, 0, 3), (0, 3, 3), (0, 6, 2), (0, 8, 2), (1, 10, 3),
+                      (2, 13, 2)])
+    # Variables smaller than n split into fewer non-empty pieces.
+    self.assertEqual([(p.variable, p.start, p.size)
+                      for p in deft.partition([2, 1], 4)],
+                     [(0, 0, 1), (0, 1, 1), (1, 2, 1)])
+    self.assertLen(deft.partition([7, 9], 1), 2)  # one replica: no split
+    rng = np.random.default_rng(0)
+    for n in (2, 4, 8):
+      sizes = [int(s) for s in rng.integers(1, 3000, size=6)]
+      self.assertEqual([(p.variable, p.start, p.size)
+                        for p in deft.partition(sizes, n)],
+                       reference.partition(sizes, n))
+
+  def test_conventions(self):
+    self.assertEqual(deft.total_k(100, 0.29), 29)   # not 28
+    self.assertEqual(deft.total_k(50, 0.01), 1)     # at least one
+    self.assertEqual(deft.total_k(7, 1.0), 7)
+    self.assertEqual(deft.union_capacity(1000, 10, 5), 14)
+    self.assertEqual(deft.union_capacity(12, 10, 5), 12)
+
+  def test_local_k_pack_owners(self):
+    rng = np.random.default_rng(1)
+    for n, sizes, k_total in [(4, [300, 300, 299, 299, 50, 7, 1], 40),
+                              (8, [int(s) for s in rng.integers(1, 400, 20)], 120),
+                              (3, [5, 9, 2], 400)]:
+      plan = tf.function(lambda norms, step, n=n, sizes=sizes, k_total=k_total: (
+          lambda k: (k, deft.owners(deft.pack(k, sizes, n), step, n)))(
+              deft.local_k(norms, sizes, k_total)))
+      for trial in range(12):
+        norms = rng.exponential(size=len(sizes)).astype(np.float32)
+        if trial % 4 == 1:   # tied norms
+          norms[::2] = norms[1]
+        if trial % 4 == 2:   # one dominant partition: budget runs out
+          norms[0] *= 1e4
+        if trial == 3:
+          norms[:] = 0
+        k, own = [t.numpy().tolist() for t in plan(norms, np.int64(trial))]
+        want_k = reference.local_k(norms, sizes, k_total)
+        self.assertEqual(k, want_k, msg=f"{sizes} {norms}")
+        self.assertEqual(own, reference.owners(
+            reference.pack(want_k, sizes, n), trial, n))
+        self.assertTrue(all(1 <= kx <= s for kx, s in zip(k, sizes)))
+        low = len(sizes) if trial == 3 else min(k_total, sum(sizes)) - len(sizes)
+        self.assertBetween(sum(k), low, k_total + len(sizes) - 1)
+
+
+class DensityTest(tf.test.TestCase):
+  """Achieved density at 2, 4 and 8 replicas (numpy simulation of the plan)."""
+
+  def test_density_band_without_build_up(self):
+    # n_g = 20800, density 0.01: k_total = 208; at 8 replicas the two largest
+    # kernels split into 8 pieces, P = 18, so sum_x k_x <= 225 (+8.2%).
+    shapes = [(128, 96), (96, 64), (64, 32), (32, 10)]
+    scales = [0.2, 1.0, 3.0, 0.5]
+    rng = np.random.default_rng(7)
+    density = 0.01
+    for n in (2, 4, 8):
+      grads = []
+      for _ in range(6):
+        common = [rng.normal(size=s) * c for s, c in zip(shapes, scales)]
+        grads.append([[(g + rng.normal(size=g.shape) * c).astype(np.float32)
+                       for g, c in zip(common, scales)] for _ in range(n)])
+      deft_density, topk_density = reference.simulate_density(grads, density)
+      for d in deft_density:
+        self.assertBetween(d, 0.9 * density, 1.1 * density, msg=f"n={n}")
+      if n == 8:  # whole-model top-k per replica builds up; DEFT does not
+        self.assertGreater(min(topk_density), 2 * density)
+
+
+class AccountingTest(tf.test.TestCase):
+
+  def test_reported_bytes_are_what_the_collectives_move(self):
+    replicas = 4
+    compressor = DEFT(density=DENSITY)
+    _run(compressor, _gradients(2, replicas, seed=4), replicas)
+    sizes = [int(np.prod(shape)) for shape in SHAPES]
+    n_g = sum(sizes)
+    parts = deft.partition(sizes, replicas)
+    cap = deft.union_capacity(n_g, deft.total_k(n_g, DENSITY), len(parts))
+    # One all-reduce of P float32 norms, of U int32 positions, of U values.
+    moved = 4 * len(parts) + cap * (4 + 4)
+    stats = compressor.communication_stats()
+    self.assertEqual(stats["last"]["payload_bytes"], [moved] * replicas)
+    ring = 2 * (replicas - 1) / replicas
+    self.assertAllClose(stats["last"]["bytes_sent"], [ring * moved] * replicas)
+    self.assertAllClose(stats["last"]["dense_bytes"], [ring * 4 * n_g] * replicas)
+    # The union never exceeds the k_total budget + (P - 1) one-entry floors.
+    self.assertLessEqual(max(stats["last"]["density"]), cap / n_g)
+    self.assertGreater(min(stats["last"]["density"]), 0.0)
+
+
+class ConservationTest(tf.test.TestCase):
+  """SGD(lr=1): w0 - w_T + sum_r E_T == sum_t sum_r g_t (nothing is lost)."""
+
+  def test_conservation_with_checkpoint(self):
+    replicas, steps = 4, 200
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
+                             input_replication=tf_dct.PER_REPLICA)
+    compressor = DEFT(density=0.1)
+    with repl.scope():
+      model = tf_keras.Sequential([tf_keras.Input((4,)),
+                                   tf_keras.layers.Dense(8, activation="tanh"),
+                                   tf_keras.layers.Dense(1)])
+      opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(1.0),
+                                compression=compressor)
+    w0 = [w.numpy() for w in model.trainable_variables]
+    seen = [repl.per_replica_state(tf.zeros_like(w), name=f"seen{i}")
+            for i, w in enumerate(model.trainable_variables)]
+
+    def input_fn(replica_id):
+      rng = np.random.default_rng(replica_id)
+      x = rng.normal(size=(64, 4)).astype(np.float32)
+      y = (np.sin(x.sum(1, keepdims=True))).astype(np.float32)
+      return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+
+    def step_fn(batch):
+      x, y = batch
+      with tf.GradientTape() as tape:
+        loss = 0.02 * tf.reduce_mean(tf.square(model(x) - y)) / replicas
+      grads = tape.gradient(loss, model.trainable_variables)
+      for s, g in zip(seen, grads):
+        s.local().assign_add(g)
+      opt.apply_gradients(zip(grads, model.trainable_variables))
+      return loss
+
+    def residuals():
+      return [compressor.state_for(v)["residual"]
+              for v in model.trainable_variables]
+
+    for _ in range(steps // 2):
+      repl.run(step_fn, input_fn)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+    path = ckpt.save(self.create_tempdir().full_path + "/ckpt")
+    saved = [r.numpy() for r in residuals()]
+    rng = np.random.default_rng(5)
+    for r in residuals():
+      r.assign_all([rng.normal(size=v.shape).astype(v.dtype) for v in r.numpy()])
+    ckpt.restore(path).assert_existing_objects_matched()
+    for want, r in zip(saved, residuals()):
+      for w, got in zip(want, r.numpy()):
+        self.assertAllEqual(got, w)
+    for _ in range(steps - steps // 2):
+      repl.run(step_fn, input_fn)
+
+    for i, var in enumerate(model.trainable_variables):
+      lhs = w0[i] - var.numpy() + sum(residuals()[i].numpy())
+      rhs = sum(seen[i].numpy())
+      scale = np.abs(rhs).max()
+      self.assertGreater(scale, 1e-3)
+      self.assertAllClose(lhs, rhs, atol=1e-5 * scale, rtol=0)
+    # Replicas held back different errors (per-replica state), and the union
+    # is about k_total = floor(49 * 0.1) = 4 entries (P = 7 partitions).
+    res = residuals()[0].numpy()
+    self.assertNotAllClose(res[0], res[1])
+    sent = sum(int(compressor.state_for(v)["sent"].numpy()[0])
+               for v in model.trainable_variables)
+    self.assertBetween(sent, 4, 4 + 6)
+
+
+class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("density_zero", {"density": 0.0}, "density must be a number in \\(0, 1\\]"),
+      ("density_above_one", {"density": 1.5}, "density must be a number in \\(0, 1\\]"),
+      ("density_negative", {"density": -0.1}, "density"),
+      ("density_nan", {"density": float("nan")}, "density"),
+      ("density_str", {"density": "0.1"}, "density"),
+      ("density_bool", {"density": True}, "density"),
+      ("min_size_negative", {"min_size": -1}, "min_size must be an int >= 0"),
+      ("min_size_float", {"min_size": 1.5}, "min_size"),
+      ("warmup_negative", {"warmup_steps": -2}, "warmup_steps must be an int >= 0"),
+      ("warmup_none", {"warmup_steps": None}, "warmup_steps"),
+  )
+  def test_bad_argument(self, kwargs, message):
+    with self.assertRaisesRegex(ValueError, message):
+      DEFT(**kwargs)
+
+  def test_density_one_is_dense(self):
+    self.assertEqual(DEFT(density=1).density, 1.0)
+
+  def test_non_float_variable(self):
+    repl = tf_dct.Replicator(["/cpu:0"])
+    compressor = DEFT()
+    compressor.bind(repl)
+    with repl.scope():
+      counter = tf.Variable(tf.zeros([3], tf.int32), name="counter")
+    with self.assertRaisesRegex(TypeError, "counter.*int32"):
+      compressor.state_for(counter)
+
+  def test_non_finite_gradient_leaves_state_alone(self):
+    # Step 2: one Inf in the last variable of replica 1 only. Neither
+    # replica's state may move, and the next finite step proceeds normally.
+    replicas = 2
+    shapes = [(20, 10), (30,)]
+    grads = _gradients(4, replicas, seed=4, shapes=shapes)
+    grads[2][1][1][3] = np.inf
+    compressor = DEFT(density=0.1)
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
+                             input_replication=tf_dct.PER_REPLICA)
+    compressor.bind(repl)
+    with repl.scope():
+      variables = [tf.Variable(tf.zeros(s)) for s in shapes]
+
+    def input_fn(replica_id):
+      return tf.data.Dataset.from_tensor_slices(tuple(
+          np.stack([g[replica_id][v] for g in grads]) for v in range(2)))
+
+    def step_fn(g):
+      return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
+
+    repl.run(step_fn, input_fn)
+    repl.run(step_fn, input_fn)
+    states = [compressor.state_for(v) for v in variables]
+    before = [{k: s.numpy() for k, s in st.items()} for st in states]
+    self.assertTrue(np.any(before[0]["residual"][0] != 0))
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "non-finite gradient for variable"):
+      repl.run(step_fn, input_fn)
+    for want, st in zip(before, states):  # no replica's state moved
+      for key, s in st.items():
+        self.assertAllEqual(s.numpy(), want[key], msg=key)
+    repl.run(step_fn, input_fn)
+    for st in states:
+      self.assertAllEqual(st["step"].numpy(), [3, 3])
+
+
+if __name__ == "__main__":
+  tf.test.main()

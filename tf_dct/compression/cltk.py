@@ -1,0 +1,95 @@
+"""Cyclic local top-k (CLT-k, Chen et al.; DEFT §1, §3.1, Table 1).
+
+Per variable, one replica leads each step, in turn: at its step t the leader is
+replica t mod n. The leader picks the top-k positions of its own g + E; those
+positions go to every replica, each replica contributes its own g + E at them,
+the values are summed, and every replica clears its residual there (DEFT
+Algorithm 1 lines 5-12 with idx_t chosen by the leader alone). All replicas
+share one support, so the aggregate holds exactly k entries: no build-up.
+
+Conventions (tests/compression/reference_baselines.py follows them exactly):
+
+* k = n - floor(n * (1 - density)) = ceil(n * density), as in TopK.
+* The leader's selection is `tf.math.top_k` of the magnitudes: among equal
+  magnitudes the lower position wins. It runs under `tf.cond` on the leader
+  only; the other replicas contribute zeros.
+* The positions are broadcast by an int32 SUM all-reduce of a k-slot buffer
+  that only the leader fills (static shape; no collective inside `tf.cond`),
+  sorted ascending. Then one SUM all-reduce of every replica's k values.
+* The step counter t is per variable and per replica (state `step`); all
+  replicas advance it together, so they always agree on the leader.
+* Dense variables (`min_size`), warmup, non-finite gradients and state as in
+  TopK / DCTDP (see tf_dct/compression/topk.py). State per compressed variable
+  and replica: `residual`, `step`, `sent` (k, or n on a warmup step),
+  `overflow` (always 0).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import tensorflow as tf
+
+from tf_dct import primitives
+from tf_dct.compression import accounting
+from tf_dct.compression import sparse_wire
+from tf_dct.compression import topk
+
+
+class CLTK(topk.ErrorFeedbackCompressor):
+  """Cyclic local top-k: the step's leader selects, everyone sends there.
+
+  Args:
+    density: fraction of each variable's entries selected, in (0, 1].
+    min_size: variables with fewer entries always go dense, an int >= 0.
+    warmup_steps: steps during which every variable goes dense, an int >= 0.
+    name: module name.
+  """
+
+  def __init__(self, density: float = 0.01, min_size: int = 0,
+               warmup_steps: int = 0, name: str | None = None):
+    super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name)
+    self.density = float(self._check("density", density, numbers.Real, 0, True,
+                                     1, False))
+
+  def _exchange(self, ctx, items):
+    replicas = ctx.num_replicas_in_sync
+    me = tf.cast(ctx.replica_id_in_sync_group, tf.int64)
+    timing = self.timing_enabled
+    proposals, seconds = [], []
+    for it in items:
+      k = topk.selected_count(it.n, self.density)
+      is_leader = tf.equal(it.step % replicas, me)
+
+      def lead(acc=it.acc, k=k):  # the leader's local top-k (DEFT §1)
+        return tf.sort(tf.math.top_k(tf.abs(acc), k=k, sorted=True).indices)
+
+      start = accounting.start_timer(it.acc, timing)
+      with tf.control_dependencies([start] if timing else []):
+        proposals.append(tf.cond(is_leader, lead,
+                                 lambda k=k: tf.zeros([k], tf.int32)))
+      seconds.append(accounting.stop_timer(start, proposals[-1], timing))
+    # Broadcast from the leader: the others contribute zeros. One int32
+    # buffer for all variables (int32 tensors may sit in host memory, and a
+    # batch must not mix host and device tensors).
+    positions = tf.split(primitives.all_sum(tf.concat(proposals, axis=0)),
+                         [p.shape[0] for p in proposals])
+    values = []
+    for it, idx in zip(items, positions):
+      val = tf.gather(it.acc, idx)                 # DEFT Algorithm 1 line 8
+      if it.warm is not None:  # a warmup step goes dense instead
+        val = tf.where(it.warm, tf.zeros_like(val), val)
+      values.append(val)
+    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values)  # line 9
+    out = []
+    for it, idx, val, secs in zip(items, positions, summed, seconds):
+      k = idx.shape[0]
+      hit = sparse_wire.scatter_sum(idx, tf.ones([k], tf.int32), it.n) > 0
+      residual = tf.where(hit, tf.zeros_like(it.acc), it.acc)  # lines 11-12
+      # Two all-reduces of k slots: the positions (int32) and the values.
+      report = dict(reduce_bytes=k * (4 + it.acc.dtype.size),
+                    selection_seconds=secs)
+      out.append(topk.Outcome(sparse_wire.scatter_sum(idx, val, it.n), residual,
+                              tf.constant(k, tf.int32), tf.constant(0, tf.int32),
+                              {}, report))
+    return out

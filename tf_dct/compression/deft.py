@@ -1,0 +1,432 @@
+"""DEFT: whole-model top-k split across replicas (DEFT Algorithms 1-5).
+
+Every step, each replica adds its held-back error to its gradient. The flat
+vector of all compressed variables is cut into partitions (whole variables,
+or n pieces of a variable larger than n_g / n). Each partition gets a share
+k_x of the budget k_total = n_g * density in proportion to its norm, and the
+partitions are packed onto replicas so that the selection work is balanced.
+Each replica runs top-k only on the partitions it owns, on its own
+accumulator. The chosen positions do not overlap across replicas; their union
+is shared, every replica contributes its accumulator there, the sum is the
+update, and every replica clears its error at the union.
+
+Conventions (tests/compression/reference_deft.py follows them exactly):
+
+* Group. One `aggregate()` call is one "model": its compressed variables
+  (not below `min_size`) of one dtype, in call order. Variables of other
+  dtypes form groups of their own, handled one after the other. n_g counts the
+  compressed entries only, so `density` is relative to them.
+* Partition (Algorithm 2). A variable with size * n > n_g (integer test, the
+  paper's size > n_g / n) is cut into n consecutive pieces of size // n, the
+  first size % n of them one entry longer; pieces of length 0 (size < n) are
+  dropped. Other variables are one partition. This is static (Python).
+* Norms (beyond the paper). Each replica computes the float32 L2 norm of every
+  partition of its accumulator and a SUM all-reduce of that vector gives all
+  replicas the same numbers (n times the mean norm; Algorithm 3 only uses
+  ratios). Everything below is a deterministic function of them, so all
+  replicas agree on k and on the packing without a leader or a broadcast.
+* Budget. k_total = max(1, floor(n_g * density)), the product taken on the
+  decimal value of `density` (as written, like DCT-DP's m).
+* Local k (Algorithm 3). Partitions are visited by decreasing norm, ties by
+  lower partition index. norm_remain is the sum of the norms not yet visited,
+  accumulated in float32 one by one from the last visited (so it equals the
+  last partition's own norm exactly; the paper subtracts instead).
+  k_temp = k_remain * (norm / norm_remain) in float32 (0 if norm_remain is 0),
+  k_x = min(size_x, max(1, floor(k_temp))), k_remain -= k_x. The last
+  partition with a non-zero norm takes the whole remainder, so sum_x k_x ==
+  k_total unless a partition is capped at its size, or k_remain runs out (each
+  later partition still gets 1), or every norm is 0 (each partition gets 1):
+  sum_x k_x <= k_total + P - 1 always.
+* Packing (Algorithm 4). Cost c_x = size_x * max(1, log2 k_x), where log2 is
+  Mitchell's piecewise-linear approximation read exactly from the float32 bits
+  of k_x, in int64 fixed point (2^23 per octave). Integer costs make the
+  packing bit-identical on every replica, machine and in numpy. The floor of
+  1 octave charges a top-1 partition its linear scan instead of the paper's
+  log 1 = 0 (which would pile every k = 1 partition on one bin). Partitions are
+  taken by decreasing cost, ties by lower index, each onto the bin of least
+  total cost, ties by lower bin index.
+* Rotation (Algorithm 4 lines 1-2, 17). With cycle = step % n, replica r
+  takes bin (cycle + r) % n, so the heaviest bin (bin 0 takes the first,
+  largest item) moves to another replica every step. step is the step
+  counter of the group's first variable.
+* Selection (Algorithm 5). The owner runs `tf.math.top_k` on |acc| of the
+  partition with the static bound K_x = min(size_x, k_total) >= k_x and keeps
+  the first k_x; equal magnitudes go to the lower position first. The top-k
+  sits in a `tf.cond` on ownership (no collective inside), so non-owners skip it.
+* Wire (Algorithm 1 lines 7-9). Every replica knows every k_x, so partition x
+  owns slots [o_x, o_x + k_x) of one union buffer of U = min(n_g,
+  k_total + P - 1) int32 slots, o_x = sum of k_y for y < x. Each replica
+  writes its positions into its partitions' slots, zeros elsewhere; a SUM
+  all-reduce yields the union (unused slots hold n_g, the padding position).
+  Then each replica gathers its accumulator at the union (padding reads 0) and
+  a second SUM all-reduce of U values gives the update. Per replica and step
+  the three all-reduces carry P float32 norms + U int32 + U values; a ring
+  all-reduce of B bytes sends (and receives) 2 (n-1)/n B, so about
+  2 (n-1)/n (4 P + 8 U) bytes for float32 against 2 (n-1)/n 4 n_g dense.
+  (All-gathering per-replica buffers instead would send (n-1) U * 4 bytes for
+  the indices alone.) Nothing selected is ever dropped: sum_x k_x <= U.
+* Error feedback (lines 5, 11-12). acc = g + E; E becomes acc with the union
+  positions zeroed on every replica.
+* Dense variables and warmup. Variables with fewer than `min_size` entries
+  (or none) go through one dense SUM all-reduce and keep no state. While
+  step < warmup_steps the group sends its whole accumulator densely and
+  clears E. Collectives cannot sit in `tf.cond`, so with warmup_steps > 0
+  every step also issues that dense all-reduce (zeros after warmup), and the
+  sparse collectives run during warmup with empty selections.
+* Non-finite gradients raise: every gradient passes
+  `tf.debugging.check_numerics` before any state is read, and state is
+  written only after the step's collectives, which wait for every replica's
+  checks, so no replica's state advances when one replica fails.
+* IndexedSlices gradients are densified. TODO: a sparse-aware path.
+
+State per compressed variable and replica: `residual` (E), `step` (int64) and
+two int32 statistics of the last step: `sent` (entries of this variable in the
+union; its size on a warmup step) and `selected` (entries of this variable this
+replica chose itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+import math
+import numbers
+import re
+from typing import Sequence
+
+import tensorflow as tf
+
+from tf_dct.compression import accounting
+from tf_dct.compression import sparse_wire
+from tf_dct.compression.base import Compressor
+
+# Mitchell log2 in fixed point: float32 bits minus the exponent bias.
+LOG2_ONE = 1 << 23
+_FLOAT32_BIAS = 127 << 23
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+  """A run of consecutive entries of one variable in the flat group vector."""
+  variable: int  # index of the variable in the group
+  start: int     # first flat position in the group vector
+  size: int
+
+
+def partition(sizes: Sequence[int], num_replicas: int) -> list[Partition]:
+  """Two-stage partition of variables of `sizes` entries over n replicas."""
+  total = sum(sizes)
+  parts = []
+  start = 0
+  for v, size in enumerate(sizes):
+    if size * num_replicas > total:  # DEFT Algorithm 2 line 6
+      q, rem = divmod(size, num_replicas)  # DEFT Algorithm 2 lines 7-8
+      # DEFT Algorithm 2 lines 9-13: the first `rem` pieces take one more.
+      pieces = [q + (i < rem) for i in range(num_replicas)]
+    else:
+      pieces = [size]                            # DEFT Algorithm 2 lines 19-24
+    for piece in pieces:
+      if piece:  # a variable smaller than n leaves empty pieces: dropped
+        parts.append(Partition(v, start, piece))  # DEFT Alg. 2 lines 14-18
+      start += piece
+  return parts
+
+
+def total_k(num_entries: int, density: float) -> int:
+  """k_total = max(1, floor(n_g * density)) on the decimal value of density."""
+  d = decimal.Decimal(repr(float(density)))
+  return max(1, math.floor(d * num_entries))
+
+
+def union_capacity(num_entries: int, k_total: int, num_partitions: int) -> int:
+  """Slots of the union buffer: an upper bound of sum_x k_x."""
+  return min(num_entries, k_total + num_partitions - 1)
+
+
+def _descending_order(values: tf.Tensor, sentinel) -> tf.Tensor:
+  """Positions of rank-1 `values` (all > sentinel) by decreasing value.
+
+  Equal values keep increasing position. A scan of arg-max picks, so it does
+  not depend on the stability of a sort kernel.
+  """
+  p = values.shape[0]
+  positions = tf.range(p)
+
+  def pick(carry, _):
+    taken, _ = carry
+    masked = tf.where(taken, tf.cast(sentinel, values.dtype), values)
+    best = tf.reduce_max(masked)
+    hit = tf.logical_and(tf.equal(masked, best), tf.logical_not(taken))
+    index = tf.reduce_min(tf.where(hit, positions, p))
+    return tf.logical_or(taken, tf.equal(positions, index)), index
+
+  _, order = tf.scan(pick, positions,
+                     initializer=(tf.zeros([p], tf.bool), tf.constant(0)))
+  return order
+
+
+def local_k(norms: tf.Tensor, sizes: Sequence[int], k_total: int) -> tf.Tensor:
+  """k_x per partition from float32 `norms` (DEFT Algorithm 3), int32[P]."""
+  p = len(sizes)
+  order = _descending_order(norms, -1.0)                 # highest norm first
+  s_norm = tf.gather(norms, order)
+  s_size = tf.gather(tf.constant(sizes, tf.int32), order)
+  # norm_remain per visit: sum of the norms not visited yet (lines 2-4, 15).
+  rest = tf.scan(lambda a, x: a + x, s_norm,
+                 initializer=tf.zeros([], tf.float32), reverse=True)
+
+  def assign(carry, elems):
+    k_remain, _ = carry
+    norm, remain, size = elems
+    ratio = tf.math.divide_no_nan(norm, remain)  # DEFT Algorithm 3 lines 6-9
+    k_temp = tf.cast(k_remain, tf.float32) * ratio  # DEFT Algorithm 3 line 7
+    # DEFT Algorithm 3 lines 10-13: min(size, max(1, floor(k_temp))).
+    k = tf.minimum(size, tf.maximum(1, tf.cast(tf.floor(k_temp), tf.int32)))
+    return k_remain - k, k  # DEFT Algorithm 3 line 14
+
+  _, s_k = tf.scan(assign, (s_norm, rest, s_size),
+                   initializer=(tf.constant(k_total, tf.int32), tf.constant(0)))
+  return tf.scatter_nd(order[:, None], s_k, [p])
+
+
+def selection_cost(k: tf.Tensor, sizes: Sequence[int]) -> tf.Tensor:
+  """int64 cost size_x * max(1, log2 k_x), log2 in Mitchell fixed point."""
+  log2 = tf.bitcast(tf.cast(k, tf.float32), tf.int32) - _FLOAT32_BIAS
+  log2 = tf.maximum(log2, LOG2_ONE)
+  return tf.constant(sizes, tf.int64) * tf.cast(log2, tf.int64)
+
+
+def pack(k: tf.Tensor, sizes: Sequence[int], num_replicas: int) -> tf.Tensor:
+  """Bin of every partition, greedy by cost (DEFT Algorithm 4), int32[P]."""
+  p = len(sizes)
+  cost = selection_cost(k, sizes)  # DEFT Algorithm 4 lines 6-8
+  order = _descending_order(cost, -1)        # DEFT Algorithm 4 lines 10-11, 15
+  bins = tf.range(num_replicas)
+
+  def place(carry, x):
+    loads, _ = carry
+    least = tf.reduce_min(loads)
+    # DEFT Algorithm 4 line 12: the least loaded bin, lowest index on ties.
+    b = tf.reduce_min(tf.where(tf.equal(loads, least), bins, num_replicas))
+    loads = loads + tf.where(tf.equal(bins, b), cost[x],
+                             tf.zeros([], tf.int64))  # DEFT Alg. 4 lines 13-14
+    return loads, b
+
+  _, placed = tf.scan(place, order, initializer=(
+      tf.zeros([num_replicas], tf.int64), tf.constant(0)))
+  return tf.scatter_nd(order[:, None], placed, [p])
+
+
+def owners(bins: tf.Tensor, step: tf.Tensor, num_replicas: int) -> tf.Tensor:
+  """Replica owning each partition: replica r takes bin (step % n + r) % n."""
+  cycle = tf.cast(step % num_replicas, tf.int32)  # DEFT Algorithm 4 line 1
+  return tf.math.floormod(bins - cycle, num_replicas)  # DEFT Alg. 4 lines 2, 17
+
+
+def _check_number(name, value, kind, lo, lo_open, hi=None):
+  """Raises ValueError naming `name` unless `value` is a `kind` in range."""
+  allowed = (f"{'>' if lo_open else '>='} {lo}" if hi is None
+             else f"in {'(' if lo_open else '['}{lo}, {hi}]")
+  what = "an int" if kind is numbers.Integral else "a number"
+  ok = (not isinstance(value, bool) and isinstance(value, kind)
+        and math.isfinite(value)
+        and (value > lo if lo_open else value >= lo)
+        and (hi is None or value <= hi))
+  if not ok:
+    raise ValueError(f"DEFT: {name} must be {what} {allowed}, got {value!r}")
+  return value
+
+
+class DEFT(Compressor):
+  """DEFT gradient compressor: partitioned whole-model top-k, error feedback.
+
+  Args:
+    density: fraction of the compressed entries selected per step, in (0, 1].
+    min_size: variables with fewer entries are always all-reduced densely and
+      keep no state, an int >= 0.
+    warmup_steps: steps during which every variable goes dense, an int >= 0.
+    name: module name.
+
+  See the module docstring for the exact conventions.
+  """
+
+  def __init__(self, density: float = 0.01, min_size: int = 0,
+               warmup_steps: int = 0, name: str | None = None):
+    super().__init__(name=name)
+    self.density = float(_check_number("density", density, numbers.Real,
+                                       0, True, 1))
+    self.min_size = int(_check_number("min_size", min_size, numbers.Integral,
+                                      0, False))
+    self.warmup_steps = int(_check_number("warmup_steps", warmup_steps,
+                                          numbers.Integral, 0, False))
+
+  def create_state(self, variable):
+    if not variable.dtype.is_floating:
+      raise TypeError(f"DEFT compresses floating-point variables only; "
+                      f"variable {variable.name!r} has dtype "
+                      f"{variable.dtype.name}")
+    n = variable.shape.num_elements()
+    if n is None:
+      raise ValueError(f"DEFT needs a static shape; variable {variable.name!r} "
+                       f"has shape {variable.shape}")
+    if n == 0 or n < self.min_size:
+      return {}
+    base = "deft/" + re.sub(r"[^A-Za-z0-9_]+", "_", variable.name.split(":")[0])
+    make = lambda init, what: self.per_replica_state(init, name=f"{base}/{what}")
+    return {
+        "residual": make(tf.zeros(variable.shape, variable.dtype), "residual"),
+        "step": make(tf.zeros([], tf.int64), "step"),
+        "sent": make(tf.zeros([], tf.int32), "sent"),
+        "selected": make(tf.zeros([], tf.int32), "selected"),
+    }
+
+  def reduce(self, ctx, grads, variables, states):
+    # TODO(issue 3): IndexedSlices are densified here; add a sparse-aware path.
+    grads = [tf.convert_to_tensor(g) for g in grads]
+    checked = [
+        tf.debugging.check_numerics(
+            g, f"DEFT: non-finite gradient for variable {v.name}")
+        for g, v in zip(grads, variables)]
+    results = [None] * len(grads)
+    dense_items = []  # (position in results, tensor to all-reduce)
+    groups = {}       # dtype -> positions of its compressed variables
+    writes = []
+    # No state is read before every gradient of this replica passed the check.
+    with tf.control_dependencies(checked):
+      for i, (g, st) in enumerate(zip(checked, states)):
+        if st:
+          groups.setdefault(g.dtype, []).append(i)
+        else:  # below min_size (or empty): plain dense SUM, no state
+          dense_items.append((i, tf.identity(g)))
+      for members in groups.values():
+        sparse, dense, write = self._group(
+            ctx, [checked[i] for i in members], [variables[i] for i in members],
+            [states[i] for i in members])
+        writes.append(write)
+        for i, s in zip(members, sparse):
+          results[i] = s
+        if dense is not None:
+          dense_items.extend(zip(members, dense))
+      if dense_items:
+        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                 [t for _, t in dense_items])
+        for (i, _), t in zip(dense_items, reduced):
+          results[i] = t if results[i] is None else results[i] + t
+    # The collectives depend on every replica's checks: if one replica meets a
+    # non-finite gradient, they never complete and no replica writes state.
+    with tf.control_dependencies(results):
+      for write in writes:
+        write()
+    return results
+
+  def _record_group(self, variables, parts, cap, dtype, sparse, selected,
+                    seconds):
+    """Reports one group's collectives to the accounting, per variable.
+
+    The group all-reduces P float32 norms, U int32 union positions and U
+    values (plus every entry densely while warmup is configured). Norms are
+    charged to the variable owning the partition; the 2U union slots are
+    split in proportion to variable size (remainder to the last variable), so
+    the per-variable bytes add up to exactly what was all-reduced.
+    """
+    sizes = [v.shape.num_elements() for v in variables]
+    n_g = sum(sizes)
+    slots = [cap * size // n_g for size in sizes]
+    slots[-1] += cap - sum(slots)
+    for i, var in enumerate(variables):
+      norms = 4 * sum(1 for p in parts if p.variable == i)
+      union = slots[i] * (4 + dtype.size)
+      warm = sizes[i] * dtype.size if self.warmup_steps else 0
+      self.record(var, reduce_bytes=norms + union + warm,
+                  nnz=tf.math.count_nonzero(sparse[i], dtype=tf.int32),
+                  sent=selected[i],
+                  selection_seconds=seconds if i == 0 else None)
+
+  def _group(self, ctx, grads, variables, states):
+    """DEFT Algorithms 1-5 for one group on this replica.
+
+    Returns the per-variable sparse sums, the per-variable dense parts (warmup
+    only, else None) and a closure writing the new state.
+    """
+    n = ctx.num_replicas_in_sync
+    sizes = [v.shape.num_elements() for v in variables]
+    n_g = sum(sizes)
+    if n_g >= sparse_wire.MAX_SIZE:
+      raise ValueError(f"DEFT: {n_g} compressed entries of one dtype; int32 "
+                       f"positions allow at most {sparse_wire.MAX_SIZE - 1}")
+    parts = partition(sizes, n)
+    p_sizes = [p.size for p in parts]
+    k_total = total_k(n_g, self.density)
+    cap = union_capacity(n_g, k_total, len(parts))
+    residuals = [st["residual"].local() for st in states]
+    step = states[0]["step"].local().read_value()
+
+    # DEFT Algorithm 1 line 5: acc = g + E, all variables in one flat vector.
+    acc = tf.concat([tf.reshape(g, [-1]) + tf.reshape(r.read_value(), [-1])
+                     for g, r in zip(grads, residuals)], axis=0)
+    pieces = [acc[p.start:p.start + p.size] for p in parts]
+    norms = tf.stack([tf.sqrt(tf.reduce_sum(tf.square(tf.cast(x, tf.float32))))
+                      for x in pieces])
+    # Beyond the paper: every replica gets the same norms, hence the same plan.
+    norms = ctx.all_reduce(tf.distribute.ReduceOp.SUM, norms)
+    k = local_k(norms, p_sizes, k_total)                 # DEFT Algorithm 3
+    owner = owners(pack(k, p_sizes, n), step, n)         # DEFT Algorithm 4
+    owned = tf.equal(owner, tf.cast(ctx.replica_id_in_sync_group, tf.int32))
+    warm = None
+    if self.warmup_steps:
+      warm = step < self.warmup_steps
+      owned = tf.logical_and(owned, tf.logical_not(warm))
+
+    offsets = tf.cumsum(k, exclusive=True)
+    timing = self.timing_enabled
+    start = accounting.start_timer(acc, timing)
+    slots, positions = [], []
+    # DEFT Algorithm 5 line 3 (loop over the owned partitions; static here).
+    for x, (part, piece) in enumerate(zip(parts, pieces)):
+      bound = min(part.size, k_total)
+      top = tf.cond(  # DEFT Algorithm 5 line 4
+          owned[x],
+          lambda piece=piece, bound=bound: tf.math.top_k(
+              tf.abs(piece), bound, sorted=True).indices,
+          lambda bound=bound: tf.zeros([bound], tf.int32))
+      rank = tf.range(bound)
+      keep = tf.logical_and(owned[x], rank < k[x])
+      slots.append(tf.where(keep, offsets[x] + rank, cap))
+      positions.append(top + part.start)  # DEFT Algorithm 5 line 5
+    mine = tf.math.unsorted_segment_sum(
+        tf.concat(positions, 0) - n_g, tf.concat(slots, 0), cap + 1)[:cap]
+    # DEFT Algorithm 1 line 7: the union of every replica's positions.
+    union = ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine) + n_g
+    padded = tf.concat([acc, tf.zeros([1], acc.dtype)], 0)  # padding reads 0
+    values = tf.gather(padded, union)  # DEFT Algorithm 1 line 8
+    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values)  # Alg. 1 line 9
+    update = sparse_wire.scatter_sum(union, summed, n_g)
+    in_union = sparse_wire.scatter_sum(union, tf.ones_like(union), n_g) > 0
+    # DEFT Algorithm 1 lines 11-12: every replica clears E at the union.
+    new_residual = tf.where(in_union, tf.zeros_like(acc), acc)
+
+    var_of = tf.constant([p.variable for p in parts], tf.int32)
+    sent = tf.math.unsorted_segment_sum(k, var_of, len(sizes))
+    selected = tf.math.unsorted_segment_sum(
+        tf.where(owned, k, 0), var_of, len(sizes))
+    dense = None
+    if warm is not None:
+      dense = [tf.reshape(tf.where(warm, a, tf.zeros_like(a)), v.shape)
+               for a, v in zip(tf.split(acc, sizes), variables)]
+      new_residual = tf.where(warm, tf.zeros_like(acc), new_residual)
+      sent = tf.where(warm, tf.constant(sizes, tf.int32), sent)
+    sparse = [tf.reshape(u, v.shape)
+              for u, v in zip(tf.split(update, sizes), variables)]
+    kept = tf.split(new_residual, sizes)
+    seconds = accounting.stop_timer(start, positions, timing)
+    self._record_group(variables, parts, cap, acc.dtype, sparse, selected,
+                       seconds)
+
+    def write():
+      for i, (r, st) in enumerate(zip(residuals, states)):
+        r.assign(tf.reshape(kept[i], variables[i].shape))
+        st["step"].local().assign_add(1)
+        st["sent"].local().assign(sent[i])
+        st["selected"].local().assign(selected[i])
+
+    return sparse, dense, write
