@@ -1,131 +1,716 @@
-"""Train a model under a tf_dct replicator: `python -m launch.train --config=local`.
+"""Train a model of `models/` under a tf_dct replicator, with gradient compression
+(DCT-DP, DEFT, baselines) and DCT-MP split points: `python -m launch.train`.
 
-The default job trains the synthetic-teacher MLP (models/mlp.py) on 4 logical
-CPU replicas through `Replicator.run(step_fn, input_fn)` with a wrapped
-optimizer, checkpoints to --model_dir (resuming from the latest checkpoint)
-and prints a progress line and a final summary table.
+With no flags this is the Quick-start main job: DLRM (DCT §3.1 dimensions) on
+the embedded synthetic Criteo-shaped data, 4 logical CPUs as 2 data-parallel
+replicas x 2 model-parallel devices, DCT-DP (sparsity 0.99) across the
+replicas and DCT-MP (sparsity 0.9) at the paper's two splits ("bottom_1",
+"top_1"), i.e. DCT Table 3's hybrid setting. It prints a progress line and a
+final summary table that puts the bytes sent next to the bytes a dense
+all-reduce would have moved. Every flag: `--helpfull` and docs/launch.md.
+
+Flags whose default is None take a per-model value (launch/registry.py), then
+`--config=local` shrinks any model to a smoke run; a flag given on the command
+line always wins.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 import time
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # TFRS needs tf.keras = Keras 2
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
 import tf_dct
-from models import mlp
+from launch import registry
 
-CONFIGS = {
-    # name: overrides applied on top of the flags' defaults
-    "default": {},
-    "local": {"steps": 30, "batch_size": 32, "log_every": 10},
-}
+MODELS = tuple(registry.SPECS)
+CONFIGS = ("default", "local")
+REPLICATORS = ("cpu", "gpu", "multi_worker", "tpu")
+COMPRESSIONS = ("none", "dct", "deft", "topk", "cltk", "threshold")
+# --compression value -> class name in tf_dct.compression (looked up lazily,
+# so the launcher runs before every compressor has landed).
+COMPRESSOR_CLASSES = {"none": "Dense", "dct": "DCTDP", "deft": "DEFT", "topk": "TopK",
+                      "cltk": "CLTK", "threshold": "HardThreshold"}
+LOOPS = ("custom", "fit")
+OPTIMIZERS = ("sgd", "momentum", "adam")
 
-flags.DEFINE_enum("model", "mlp", ["mlp"], "Model to train.")
-flags.DEFINE_enum("config", "default", sorted(CONFIGS),
-                  "Preset; 'local' shrinks the run to a smoke test.")
-flags.DEFINE_enum("replicator", "cpu", ["auto", "cpu", "gpu", "multi_worker", "tpu"],
-                  "Replicator kind (see tf_dct.create_replicator).")
-flags.DEFINE_integer("num_replicas", 4, "Replicas on this machine (cpu/gpu).")
-flags.DEFINE_integer("num_devices_per_replica", 1, "Devices per model-parallel replica.")
+flags.DEFINE_enum("model", "dlrm", MODELS, "Model to train (models/<name>).")
+flags.DEFINE_enum("config", "default", CONFIGS,
+                  "Preset: 'default' (full-size model, per-model settings) or "
+                  "'local' (tiny dimensions and ~30 steps: a smoke run of any model).")
+flags.DEFINE_string("data_dir", "", "Real data directory; empty: the embedded synthetic data.")
+flags.DEFINE_enum("replicator", "cpu", REPLICATORS, "Replicator kind (tf_dct.create_replicator).")
+flags.DEFINE_integer("num_replicas", None,
+                     "Data-parallel replicas on this machine (cpu/gpu). Default: per model "
+                     "(dlrm 2, others 4).")
+flags.DEFINE_integer("num_devices_per_replica", None,
+                     "Devices per model-parallel replica. Default: per model (dlrm 2, others 1).")
 flags.DEFINE_string("tpu", None, "TPU name or 'local' (with --replicator=tpu).")
-flags.DEFINE_integer("steps", 300, "Training steps (total, including resumed ones).")
-flags.DEFINE_integer("batch_size", 256, "Global batch size.")
-flags.DEFINE_float("learning_rate", 0.05, "SGD learning rate.")
-flags.DEFINE_integer("log_every", 50, "Steps between progress lines.")
-flags.DEFINE_string("model_dir", "", "Checkpoint directory; empty: no checkpoints.")
-flags.DEFINE_integer("seed", 0, "Seed for model init and data.")
+flags.DEFINE_enum("compression", "dct", COMPRESSIONS,
+                  "Gradient aggregation across replicas: none (dense all-reduce), dct "
+                  "(DCT-DP), deft, topk, cltk, threshold (hard threshold).")
+flags.DEFINE_float("sparsity", None, "DCT-DP sparsity eta in (0, 1). Default 0.99 (local 0.9).")
+flags.DEFINE_integer("threshold_life", None,
+                     "DCT-DP threshold life L (steps). Default 1000 (local 10).")
+flags.DEFINE_float("density", None,
+                   "deft/topk/cltk density in (0, 1]; for threshold, the wire capacity "
+                   "density. Default 0.01 (local 0.1).")
+flags.DEFINE_float("threshold", None, "Hard-threshold lambda >= 0 (--compression=threshold). "
+                   "Default 1e-3.")
+flags.DEFINE_integer("warmup_steps", 0, "Dense aggregation steps before compression starts.")
+flags.DEFINE_integer("min_size", 0, "Variables with fewer entries are always aggregated densely.")
+flags.DEFINE_float("mp_sparsity", None, "DCT-MP sparsity in [0, 1) at --mp_splits. Default 0.9.")
+flags.DEFINE_string("mp_splits", None,
+                    "Comma list of the model's split points to insert a DCTSplit at, 'paper' "
+                    "(dlrm: bottom_1,top_1; transformer: encoder_ffn_4) or 'none'. Default: "
+                    "dlrm 'paper', others none.")
+flags.DEFINE_integer("batch_size", None, "Global batch size (all replicas). Default: per model.")
+flags.DEFINE_integer("steps", None, "Training steps in total, resumed ones included. "
+                     "Default: per model.")
+flags.DEFINE_integer("eval_every", None, "Evaluate (and checkpoint) every N steps; 0: only at "
+                     "the end. Default 0.")
+flags.DEFINE_integer("log_every", None, "Steps between progress lines. Default 50 (local 10).")
+flags.DEFINE_string("model_dir", "", "Checkpoints and TensorBoard summaries; empty: neither.")
+flags.DEFINE_enum("loop", "custom", LOOPS,
+                  "custom: Replicator.run(step_fn, input_fn); fit: tf-keras model.fit.")
+flags.DEFINE_enum("optimizer", None, OPTIMIZERS, "Optimizer. Default: per model.")
+flags.DEFINE_float("learning_rate", None, "Learning rate. Default: per model.")
+flags.DEFINE_integer("seed", 0, "Seed of model initialisation and data.")
 
 FLAGS = flags.FLAGS
 
+# Launcher settings resolved per model/preset (flags defaulting to None).
+SETTINGS = tuple(registry.COMMON_DEFAULTS)
+PLAIN = ("model", "config", "data_dir", "replicator", "tpu", "compression", "warmup_steps",
+         "min_size", "model_dir", "loop", "seed")
+
+
+class FlagError(app.UsageError, ValueError):
+  """A bad flag or flag combination, raised before any training starts."""
+
+
+def _given(name: str) -> bool:
+  flag = FLAGS[name]
+  return flag.present or not flag.using_default_value
+
 
 def resolved_config() -> dict:
-  """The flag values; a flag left at its default takes the preset's value."""
-  cfg = {name: FLAGS[name].value for name in
-         ("model", "replicator", "num_replicas", "num_devices_per_replica", "tpu",
-          "steps", "batch_size", "learning_rate", "log_every", "model_dir", "seed")}
-  for name, value in CONFIGS[FLAGS.config].items():
-    if not FLAGS[name].present and FLAGS[name].value == FLAGS[name].default:
+  """The flags merged with per-model defaults and the preset, validated.
+
+  Precedence: a flag given explicitly > `--config` preset for the model > the
+  model's defaults > the launcher's common defaults. Raises FlagError.
+  """
+  cfg = {name: FLAGS[name].value for name in PLAIN}
+  if cfg["model"] not in registry.SPECS:
+    raise FlagError(f"--model: unknown model {cfg['model']!r}; expected one of {MODELS}")
+  if cfg["config"] not in CONFIGS:
+    raise FlagError(f"--config: unknown preset {cfg['config']!r}; expected one of {CONFIGS}")
+  preset = registry.settings(cfg["model"], cfg["config"])
+  explicit = set()
+  for name in SETTINGS:
+    value = FLAGS[name].value
+    if value is not None and _given(name):
       cfg[name] = value
-  for name in ("steps", "batch_size", "log_every", "num_replicas"):
-    if cfg[name] < 1:
-      raise app.UsageError(f"--{name} must be >= 1, got {cfg[name]}")
+      explicit.add(name)
+    else:
+      cfg[name] = preset[name]
+  cfg["explicit"] = frozenset(explicit | {n for n in PLAIN if _given(n)})
+  validate(cfg)
   return cfg
 
 
-def train(cfg: dict) -> dict:
-  """Runs the job; returns a summary dict (first/last loss, steps, wall time)."""
-  per_kind = {"num_replicas": cfg["num_replicas"]} if cfg["replicator"] in ("cpu", "gpu") else {}
-  repl = tf_dct.create_replicator(cfg["replicator"],
-                                  num_devices_per_replica=cfg["num_devices_per_replica"],
-                                  tpu=cfg["tpu"], **per_kind)
-  if cfg["batch_size"] % repl.num_replicas:
-    raise ValueError(f"--batch_size ({cfg['batch_size']}) must be divisible by the "
-                     f"number of replicas ({repl.num_replicas})")
-  with repl.scope():
-    model = mlp.build_model(seed=cfg["seed"])
-    optimizer = repl.wrap_optimizer(tf_keras.optimizers.SGD(cfg["learning_rate"]))
-    step_counter = tf.Variable(0, dtype=tf.int64, trainable=False)
-  ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step_counter)
-  manager = None
-  if cfg["model_dir"]:
-    manager = tf.train.CheckpointManager(ckpt, cfg["model_dir"], max_to_keep=3)
-    if manager.latest_checkpoint:
-      ckpt.restore(manager.latest_checkpoint).assert_existing_objects_matched()
-      print(f"restored {manager.latest_checkpoint} at step {int(step_counter.numpy())}")
+def _in_range(cfg, name, lo, hi, lo_open, hi_open):
+  v = cfg[name]
+  ok = (v is not None and math.isfinite(v) and (v > lo if lo_open else v >= lo)
+        and (hi is None or (v < hi if hi_open else v <= hi)))
+  if not ok:
+    interval = (f"{'(' if lo_open else '['}{lo}, {'inf' if hi is None else hi}"
+                f"{')' if hi_open or hi is None else ']'}")
+    raise FlagError(f"--{name} must be in {interval}, got {v}")
 
-  global_batch = cfg["batch_size"]
-  dataset = mlp.make_dataset(global_batch, seed=cfg["seed"]).skip(int(step_counter.numpy()))
-  input_fn = lambda ctx: dataset
 
-  def step_fn(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_sum(tf.square(model(x, training=True) - y)) / global_batch
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+def _parse_splits(cfg: dict, spec) -> list[str]:
+  text = (cfg["mp_splits"] or "").strip()
+  if text in ("", "none"):
+    return []
+  points = spec.split_points(cfg)
+  if not points:
+    raise FlagError(f"--mp_splits={text}: --model={spec.name} has no split points "
+                    "(DCT-MP split points exist for: "
+                    f"{', '.join(n for n, s in registry.SPECS.items() if s.has_splits)})")
+  if text == "paper":
+    names = list(spec.paper_splits)
+    missing = [n for n in names if n not in points]
+    if missing:
+      raise FlagError(f"--mp_splits=paper means {','.join(names)} for --model={spec.name}, "
+                      f"but this configuration has only {','.join(points)}; name the "
+                      "points explicitly")
+    return names
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  unknown = [n for n in names if n not in points]
+  if unknown:
+    raise FlagError(f"--mp_splits: unknown split point(s) {','.join(unknown)} of "
+                    f"--model={spec.name}; available: {','.join(points)} (or 'paper')")
+  if len(set(names)) != len(names):
+    raise FlagError(f"--mp_splits lists a point twice: {text}")
+  return [p for p in points if p in names]  # forward order
+
+
+def validate(cfg: dict) -> None:
+  """Every check that needs no TensorFlow device; raises FlagError."""
+  spec = registry.get(cfg["model"])
+  for name in ("steps", "batch_size", "log_every", "num_replicas", "num_devices_per_replica",
+               "threshold_life"):
+    if cfg[name] is None or cfg[name] < 1:
+      raise FlagError(f"--{name} must be >= 1, got {cfg[name]}")
+  for name in ("eval_every", "warmup_steps", "min_size"):
+    if cfg[name] < 0:
+      raise FlagError(f"--{name} must be >= 0, got {cfg[name]}")
+  _in_range(cfg, "learning_rate", 0, None, True, True)
+  comp = cfg["compression"]
+  if comp == "dct":
+    _in_range(cfg, "sparsity", 0, 1, True, True)
+  if comp in ("deft", "topk", "cltk") or (comp == "threshold" and "density" in cfg["explicit"]):
+    _in_range(cfg, "density", 0, 1, True, False)
+  if comp == "threshold":
+    _in_range(cfg, "threshold", 0, None, False, True)
+  try:
+    registry.check_data_dir(spec, cfg["data_dir"])
+  except ValueError as e:
+    raise FlagError(str(e)) from None
+  splits = _parse_splits(cfg, spec)
+  cfg["splits"] = tuple(splits)
+  if splits:
+    _in_range(cfg, "mp_sparsity", 0, 1, False, True)
+  kind = cfg["replicator"]
+  if kind in ("multi_worker", "tpu"):
+    for name in ("num_replicas", "num_devices_per_replica"):
+      if name in cfg["explicit"] and not (name == "num_devices_per_replica" and cfg[name] == 1):
+        raise FlagError(f"--{name} is for --replicator=cpu/gpu; --replicator={kind} uses "
+                        "every device it is given, one replica per device")
+    cfg["num_replicas"] = None          # taken from the cluster
+    cfg["num_devices_per_replica"] = 1  # no model parallelism across hosts here
+  if kind == "tpu" and not cfg["tpu"]:
+    cfg["tpu"] = "local"
+  if cfg["tpu"] and kind != "tpu":
+    raise FlagError(f"--tpu={cfg['tpu']} needs --replicator=tpu")
+  if cfg["num_devices_per_replica"] > 1 and splits and not spec.top_level_splits:
+    raise FlagError(
+        f"--num_devices_per_replica={cfg['num_devices_per_replica']} with --mp_splits: the "
+        f"split points of --model={spec.name} sit inside its layers, so the launcher "
+        "cannot place the layers after them on another device; use "
+        "--num_devices_per_replica=1 (mask-only DCT-MP) or --model=dlrm")
+  if cfg["num_replicas"] is not None and cfg["batch_size"] % cfg["num_replicas"]:
+    raise FlagError(f"--batch_size ({cfg['batch_size']}) must be divisible by the number "
+                    f"of replicas ({cfg['num_replicas']})")
+  cls = COMPRESSOR_CLASSES[comp]
+  if not hasattr(tf_dct.compression, cls):
+    raise FlagError(f"--compression={comp}: tf_dct.compression.{cls} is not available in "
+                    "this checkout yet")
+
+
+def make_compressor(cfg: dict):
+  """The `tf_dct.compression` object of `--compression` (None for 'none')."""
+  comp = cfg["compression"]
+  if comp == "none":
+    return None
+  cls = getattr(tf_dct.compression, COMPRESSOR_CLASSES[comp])
+  common = {"min_size": cfg["min_size"], "warmup_steps": cfg["warmup_steps"]}
+  if comp == "dct":
+    return cls(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"], **common)
+  if comp == "threshold":
+    extra = ({"capacity_density": cfg["density"]} if "density" in cfg["explicit"] else {})
+    return cls(threshold=cfg["threshold"], **extra, **common)
+  return cls(density=cfg["density"], **common)
+
+
+def make_optimizer(cfg: dict):
+  lr = cfg["learning_rate"]
+  if cfg["optimizer"] == "sgd":
+    return tf_keras.optimizers.SGD(lr)
+  if cfg["optimizer"] == "momentum":
+    return tf_keras.optimizers.SGD(lr, momentum=0.9)
+  return tf_keras.optimizers.Adam(lr)
+
+
+# --- model parallelism -----------------------------------------------------------
+
+
+def _inbound_layers(layer) -> list:
+  out = []
+  for node in layer._inbound_nodes:  # pylint: disable=protected-access
+    inbound = node.inbound_layers
+    out += inbound if isinstance(inbound, (list, tuple)) else [inbound]
+  return out
+
+
+def place_stages(model, split_layers: list, k: int) -> dict[str, int]:
+  """Runs every layer of a functional model on logical device (stage % k).
+
+  A layer's stage is the largest stage among its inputs, plus one after a
+  split layer. Split j (forward order) produces its output on logical device
+  (j + 1) % k (`target_logical_device`), where the layers after it now run.
+  Each placed layer's `call` runs under `replicator.logical_device(i)` when
+  called in a replica context of a tf_dct replicator (elsewhere, e.g. in
+  evaluation, it runs unplaced). Returns {layer name: device index}.
+  """
+  splits = {id(l) for l in split_layers}
+  stage = {}
+  for layer in model.layers:  # topologically sorted
+    inbound = _inbound_layers(layer)
+    stage[id(layer)] = max([stage.get(id(l), 0) + (id(l) in splits) for l in inbound],
+                           default=0)
+  placed = {}
+  for layer in model.layers:
+    device = stage[id(layer)] % k
+    placed[layer.name] = device
+    if id(layer) in splits:
+      want = (stage[id(layer)] + 1) % k
+      if layer.get_config()["target_logical_device"] != want:
+        raise ValueError(f"split {layer.name} targets device "
+                         f"{layer.get_config()['target_logical_device']} but the layers "
+                         f"after it are on device {want} (splits are not a chain)")
+    if device:
+      _run_on_logical_device(layer, device)
+  return placed
+
+
+def _run_on_logical_device(layer, index: int) -> None:
+  original = layer.call
+
+  def call(*args, **kwargs):
+    strategy = tf.distribute.get_strategy()
+    ctx = tf.distribute.get_replica_context()
+    if (isinstance(strategy, tf_dct.replicator.ReplicatorMixin) and ctx is not None
+        and not tf.distribute.in_cross_replica_context()):
+      with strategy.logical_device(index):
+        return original(*args, **kwargs)
+    return original(*args, **kwargs)
+
+  call.__wrapped__ = original
+  call.__name__ = getattr(original, "__name__", "call")
+  call.__doc__ = original.__doc__
+  layer.call = call
+
+
+# --- the job ---------------------------------------------------------------------
+
+
+def _mb(x: float) -> str:
+  return f"{x / 1e6:,.2f} MB"
+
+
+class Job:
+  """One training run. `setup()` builds and restores; `run()` trains.
+
+  Splitting the two lets a caller look at the restored state (step counter,
+  compressor residuals) before training continues.
+  """
+
+  def __init__(self, cfg: dict):
+    self.cfg = cfg
+    self.spec = registry.get(cfg["model"])
+    self.repl = self.model = self.optimizer = self.compressor = None
+    self.split_layers: list = []
+    self.placement: dict[str, int] = {}
+    self.manager = self.writer = None
+    self.restored_from = None
+
+  # -- setup ------------------------------------------------------------------
+
+  def _create_replicator(self):
+    cfg = self.cfg
+    kind = cfg["replicator"]
+    kwargs = {}
+    if kind in ("cpu", "gpu"):
+      kwargs["num_replicas"] = cfg["num_replicas"]
+    try:
+      return tf_dct.create_replicator(kind, num_devices_per_replica=cfg["num_devices_per_replica"],
+                                      tpu=cfg["tpu"] if kind == "tpu" else None, **kwargs)
+    except (RuntimeError, ValueError) as e:
+      raise FlagError(f"--replicator={kind}: {e}") from e
+
+  def _model_dir(self) -> str:
+    d = self.cfg["model_dir"]
+    if d and self.cfg["replicator"] == "multi_worker":
+      # Every worker saves its own replicas' state: one directory per worker.
+      d = os.path.join(d, f"worker_{self.repl.cluster_resolver.task_id}")
+    return d
+
+  def setup(self) -> "Job":
+    cfg, spec = self.cfg, self.spec
+    self.repl = repl = self._create_replicator()
+    if cfg["batch_size"] % repl.num_replicas:
+      raise FlagError(f"--batch_size ({cfg['batch_size']}) must be divisible by the "
+                      f"number of replicas ({repl.num_replicas})")
+    self.num_workers = max(1, repl.num_replicas // len(repl.replica_devices))
+    k = repl.num_devices_per_replica
+    splits = set(cfg["splits"])
+
+    def split_fn(point):
+      if point not in splits:
+        return None
+      j = len(self.split_layers)
+      target = (j + 1) % k if k > 1 else None
+      # With a device target the layer needs a replica context of the
+      # replicator, which the symbolic call building a functional model does
+      # not have: apply_at_inference=False makes that call (training=None) an
+      # identity. Evaluation uses a twin model without targets (mask applied).
+      layer = tf_dct.layers.DCTSplit(
+          cfg["mp_sparsity"], target_logical_device=target,
+          apply_at_inference=False if target is not None else None,
+          name=f"dct_split_{point}")
+      self.split_layers.append(layer)
+      return layer
+
+    with repl.scope():
+      self.model = spec.build(cfg, split_fn if spec.has_splits else None)
+      self.compressor = make_compressor(cfg)
+      self.optimizer = repl.wrap_optimizer(make_optimizer(cfg), compression=self.compressor)
+      self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+      if cfg["loop"] == "fit":
+        metrics = spec.fit_metrics(spec) if spec.fit_metrics else None
+        self.model.compile(optimizer=self.optimizer, loss=self._keras_loss(),
+                           metrics=metrics)
+    self.eval_model = self.model
+    if k > 1 and self.split_layers:
+      self.placement = place_stages(self.model, self.split_layers, k)
+      # The split layers produce their output on another logical device, which
+      # needs a replica context; evaluation runs outside one, on an unplaced twin.
+      self.eval_model = spec.build(cfg, lambda p: tf_dct.layers.DCTSplit(
+          cfg["mp_sparsity"], name=f"dct_split_{p}") if p in splits else None)
+    # The compressor creates its per-variable state on first use; create it now
+    # so a restore fills it at once (and it can be inspected before step 1).
+    compressor = self.optimizer._tf_dct_compressor  # pylint: disable=protected-access
+    for v in self.model.trainable_variables:
+      compressor.state_for(v)
+    self.ckpt = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
+    model_dir = self._model_dir()
+    if model_dir:
+      self.manager = tf.train.CheckpointManager(self.ckpt, model_dir, max_to_keep=3)
+      if self.manager.latest_checkpoint:
+        self.ckpt.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
+        self.restored_from = self.manager.latest_checkpoint
+        print(f"restored {self.restored_from} at step {int(self.step.numpy())}", flush=True)
+      self.writer = tf.summary.create_file_writer(model_dir)
+    return self
+
+  def _keras_loss(self):
+    spec = self.spec
+
+    def loss(y_true, y_pred):
+      return spec.loss(y_true, y_pred)
+
     return loss
 
-  first_loss = last_loss = None
-  start = time.perf_counter()
-  start_step = int(step_counter.numpy())
-  for step in range(start_step, cfg["steps"]):
-    per_replica = repl.experimental_local_results(repl.run(step_fn, input_fn))
-    loss = float(sum(t.numpy() for t in per_replica))  # each is a share of the mean
-    step_counter.assign_add(1)
-    first_loss = loss if first_loss is None else first_loss
-    last_loss = loss
-    if (step + 1) % cfg["log_every"] == 0 or step + 1 == cfg["steps"]:
-      rate = (step + 1 - start_step) / (time.perf_counter() - start)
-      print(f"step {step + 1:>6}/{cfg['steps']}  loss {loss:.5f}  {rate:.1f} steps/s",
-            flush=True)
-      if manager:
-        manager.save(checkpoint_number=step + 1)
-  wall = time.perf_counter() - start
-  summary = {"model": cfg["model"], "replicas": repl.num_replicas,
-             "steps": int(step_counter.numpy()), "first_loss": first_loss,
-             "final_loss": last_loss, "wall_seconds": wall}
-  print("\n| model | replicas | steps | first loss | final loss | wall time |")
-  print("|---|---|---|---|---|---|")
+  # -- data ---------------------------------------------------------------------
+
+  def _dataset(self, batch_size: int, ctx: tf.distribute.InputContext | None = None):
+    """Global (or, with several workers, this worker's) batches, from `step` on.
+
+    Resuming skips the batches the finished steps consumed, so a resumed run
+    sees the same stream as an uninterrupted one (the skipped batches are
+    generated and dropped, a cost proportional to the step).
+    """
+    cfg = dict(self.cfg, batch_size=batch_size)
+    ds = self.spec.dataset(cfg)
+    if ctx is not None and ctx.num_input_pipelines > 1:
+      ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+    return ds.skip(int(self.step.numpy()))
+
+  # -- loops --------------------------------------------------------------------
+
+  def run(self) -> dict:
+    if self.repl is None:
+      self.setup()
+    cfg = self.cfg
+    self.losses: list[float] = []
+    self.evals: dict[int, dict] = {}
+    self.start_step = int(self.step.numpy())
+    self.start_time = time.perf_counter()
+    self._last_log = (self.start_step, self.start_time)
+    writer = self.writer or tf.summary.create_noop_writer()
+    with writer.as_default(step=self.step):
+      if self.start_step < cfg["steps"]:
+        if cfg["loop"] == "custom":
+          self._run_custom()
+        else:
+          self._run_fit()
+      self.wall = time.perf_counter() - self.start_time
+      if self.start_step >= cfg["steps"] or not self.evals.get(int(self.step.numpy())):
+        self._evaluate()
+      writer.flush()
+    return self._summary()
+
+  def _run_custom(self):
+    cfg, repl, model, spec = self.cfg, self.repl, self.model, self.spec
+    global_batch = cfg["batch_size"]
+    per_worker = global_batch // self.num_workers
+    dataset = None
+    if self.num_workers == 1:
+      dataset = self._dataset(global_batch)
+    # The same input_fn object every step (Replicator.run caches per object).
+    input_fn = ((lambda ctx: dataset) if dataset is not None
+                else (lambda ctx: self._dataset(per_worker, ctx)))
+    model_parallel = repl.num_devices_per_replica > 1
+    variables = model.trainable_variables
+    num_replicas = repl.num_replicas
+
+    def step_fn(batch):
+      x, y = batch
+      with tf.GradientTape() as tape:
+        out = model(x, training=True)
+        loss = tf.reduce_sum(spec.loss(y, out)) / global_batch
+        if model.losses:
+          loss += tf.add_n(model.losses) / num_replicas
+      if model_parallel:
+        # Keeps each backward op beside its forward op (a tape would run them
+        # all on one device and send the gradients across densely).
+        grads = tf.gradients(loss, variables)
+      else:
+        grads = tape.gradient(loss, variables)
+      self.optimizer.apply_gradients(zip(grads, variables))
+      return loss
+
+    for _ in range(self.start_step, cfg["steps"]):
+      loss = float(repl.reduce("sum", repl.run(step_fn, input_fn), axis=None))
+      self.step.assign_add(1)
+      self._after_step(loss)
+
+  def _run_fit(self):
+    """tf-keras `model.fit` in chunks that end at each evaluation point.
+
+    Evaluation and checkpoints run between the chunks, outside fit (fit runs
+    its callbacks inside the strategy scope, where the models' evaluation
+    metrics would become per-replica variables). Each chunk restarts the
+    input at the current step (`_dataset` skips the consumed batches), so the
+    stream is the same as in one long fit.
+    """
+    cfg, job = self.cfg, self
+    steps_per_epoch = cfg["log_every"]
+
+    class Progress(tf_keras.callbacks.Callback):
+      """Per-batch loss (from Keras' running epoch mean), steps, stop at a target."""
+
+      def __init__(self, stop_at):
+        super().__init__()
+        self.stop_at = stop_at
+
+      def on_epoch_begin(self, epoch, logs=None):
+        self.prev = 0.0
+
+      def on_train_batch_end(self, batch, logs=None):
+        mean = float(logs["loss"])
+        loss = (batch + 1) * mean - batch * self.prev
+        self.prev = mean
+        job.step.assign_add(1)
+        job._after_step(loss, {k: float(v) for k, v in logs.items() if k != "loss"},
+                        evaluate=False)
+        if int(job.step.numpy()) >= self.stop_at:
+          self.model.stop_training = True
+
+    while int(self.step.numpy()) < cfg["steps"]:
+      step = int(self.step.numpy())
+      every = cfg["eval_every"] or cfg["steps"]
+      stop_at = min(cfg["steps"], (step // every + 1) * every)
+      self.model.fit(self._dataset(cfg["batch_size"]), steps_per_epoch=steps_per_epoch,
+                     epochs=-(-(stop_at - step) // steps_per_epoch), verbose=0,
+                     callbacks=[Progress(stop_at)])
+      self._checkpoint_and_evaluate()
+
+  # -- per step -----------------------------------------------------------------
+
+  def _after_step(self, loss: float, train_metrics: dict | None = None,
+                  evaluate: bool = True) -> None:
+    cfg = self.cfg
+    step = int(self.step.numpy())
+    self.losses.append(loss)
+    tf.summary.scalar("train/loss", loss, step=step)
+    for name, value in (train_metrics or {}).items():
+      tf.summary.scalar(f"train/{name}", value, step=step)
+    if not math.isfinite(loss):
+      raise FloatingPointError(f"loss is {loss} at step {step}")
+    last = step == cfg["steps"]
+    if step % cfg["log_every"] == 0 or last:
+      self._log(step, loss)
+    if evaluate and ((cfg["eval_every"] and step % cfg["eval_every"] == 0) or last):
+      self._checkpoint_and_evaluate()
+
+  def _checkpoint_and_evaluate(self) -> None:
+    if self.manager:
+      self.manager.save(checkpoint_number=int(self.step.numpy()))
+    self._evaluate()
+
+  def _log(self, step: int, loss: float) -> None:
+    now = time.perf_counter()
+    prev_step, prev_time = self._last_log
+    rate = (step - prev_step) / max(now - prev_time, 1e-9)
+    self._last_log = (step, now)
+    tf.summary.scalar("train/steps_per_sec", rate, step=step)
+    line = f"step {step:>6}/{self.cfg['steps']}  loss {loss:.5f}  {rate:.2f} steps/s"
+    comm = self.communication()
+    if comm and self.cfg["compression"] != "none":
+      line += (f"  sent {_mb(comm['bytes_sent'])}/replica (dense {_mb(comm['dense_bytes'])}, "
+               f"{comm['ratio']:.1f}x)  density {comm['last_density']:.4f}")
+    if comm:
+      for key in ("bytes_sent", "bytes_received", "dense_bytes", "payload_bytes"):
+        tf.summary.scalar(f"comm/total_{key}", comm[key], step=step)
+      tf.summary.scalar("comm/density", comm["last_density"], step=step)
+      for name, tau in comm["thresholds"].items():
+        tf.summary.scalar(f"comm/threshold/{name}", tau, step=step)
+    mp = self.mp_bytes()
+    if mp:
+      tf.summary.scalar("mp/total_bytes", mp["bytes"], step=step)
+      tf.summary.scalar("mp/total_dense_bytes", mp["dense_bytes"], step=step)
+    print(line, flush=True)
+
+  def _evaluate(self) -> dict:
+    if self.eval_model is not self.model:
+      self.eval_model.set_weights(self.model.get_weights())
+    result = self.spec.evaluate(self.eval_model, self.cfg)
+    step = int(self.step.numpy())
+    self.evals[step] = result
+    for name, value in result.items():
+      tf.summary.scalar(f"eval/{name}", value, step=step)
+    print(f"eval at step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in result.items()),
+          flush=True)
+    return result
+
+  # -- accounting ---------------------------------------------------------------
+
+  def communication(self) -> dict | None:
+    """Cumulative DP bytes per replica (mean over local replicas) vs dense."""
+    stats_fn = getattr(self.optimizer, "communication_stats", None)
+    if stats_fn is None:
+      return None
+    stats = stats_fn()
+    if not any(stats["steps"]):
+      return None
+    total, last = stats["total"], stats["last"]
+    mean = lambda xs: float(np.mean(xs))
+    out = {key: mean(total[key]) for key in
+           ("bytes_sent", "bytes_received", "dense_bytes", "payload_bytes",
+            "dense_payload_bytes")}
+    out["steps"] = int(np.max(stats["steps"]))
+    out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else math.inf
+    out["payload_ratio"] = (out["dense_payload_bytes"] / out["payload_bytes"]
+                            if out["payload_bytes"] else math.inf)
+    out["last_density"] = mean(last["density"])
+    out["density"] = mean(total["density"])
+    out["thresholds"] = {name: mean(v["last"]["threshold"])
+                         for name, v in stats["variables"].items()
+                         if any(v["last"]["threshold"])}
+    return out
+
+  def mp_bytes(self) -> dict | None:
+    """DCT-MP bytes at the splits (first replica, forward + backward) vs dense."""
+    if not self.split_layers:
+      return None
+    stats = [layer.bytes_stats() for layer in self.split_layers]
+    return {"bytes": sum(s["total_forward_bytes"] + s["total_backward_bytes"] for s in stats),
+            "dense_bytes": sum(s["total_dense_bytes"] for s in stats)}
+
+  def _summary(self) -> dict:
+    cfg = self.cfg
+    steps = int(self.step.numpy())
+    trained = steps - self.start_step
+    final_eval = self.evals.get(steps) or (self.evals[max(self.evals)] if self.evals else {})
+    window = max(1, min(5, len(self.losses) // 3))
+    summary = {
+        "model": cfg["model"], "config": cfg["config"], "loop": cfg["loop"],
+        "replicas": self.repl.num_replicas,
+        "devices_per_replica": self.repl.num_devices_per_replica,
+        "compression": cfg["compression"], "mp_splits": list(cfg["splits"]),
+        "start_step": self.start_step, "steps": steps, "losses": list(self.losses),
+        "first_loss": self.losses[0] if self.losses else None,
+        "final_loss": self.losses[-1] if self.losses else None,
+        "first_loss_mean": float(np.mean(self.losses[:window])) if self.losses else None,
+        "final_loss_mean": float(np.mean(self.losses[-window:])) if self.losses else None,
+        "metric": self.spec.metric, "eval": final_eval,
+        "wall_seconds": self.wall,
+        "steps_per_sec": trained / self.wall if self.wall and trained else 0.0,
+        "communication": self.communication(), "mp": self.mp_bytes(),
+        "restored_from": self.restored_from,
+    }
+    print_table(summary, cfg)
+    return summary
+
+
+def print_table(s: dict, cfg: dict) -> None:
+  """The final summary table (markdown)."""
   fmt = lambda v: "-" if v is None else f"{v:.5f}"
-  print(f"| {summary['model']} | {summary['replicas']} | {summary['steps']} | "
-        f"{fmt(first_loss)} | {fmt(last_loss)} | {wall:.1f} s |")
-  return summary
+  comp = s["compression"]
+  if comp == "dct":
+    comp += f" (sparsity {cfg['sparsity']}, L={cfg['threshold_life']})"
+  elif comp in ("deft", "topk", "cltk"):
+    comp += f" (density {cfg['density']})"
+  elif comp == "threshold":
+    comp += f" (lambda {cfg['threshold']})"
+  rows = [
+      ("model", f"{s['model']} ({s['config']}, loop={s['loop']})"),
+      ("replicas x devices", f"{s['replicas']} x {s['devices_per_replica']}"),
+      ("DP compression", comp),
+      ("MP splits", (f"{','.join(s['mp_splits'])} (sparsity {cfg['mp_sparsity']}, "
+                     + ("compact transfer across devices)" if s["devices_per_replica"] > 1
+                        else "mask only, same device)")) if s["mp_splits"] else "none"),
+      ("steps", f"{s['steps']} ({s['steps'] - s['start_step']} this run)"),
+      ("loss first -> final", f"{fmt(s['first_loss'])} -> {fmt(s['final_loss'])}"),
+  ]
+  for name, value in s["eval"].items():
+    rows.append((f"eval {name}", f"{value:.4f}"))
+  c = s["communication"]
+  if c:
+    rows.append(("DP bytes sent / replica", _mb(c["bytes_sent"])))
+    rows.append(("dense all-reduce bytes / replica", _mb(c["dense_bytes"])))
+    if comp != "none":
+      rows.append(("DP ratio dense / sent", f"{c['ratio']:.1f}x (payload "
+                                            f"{c['payload_ratio']:.1f}x)"))
+      rows.append(("achieved density (mean, last)", f"{c['density']:.4f}, "
+                                                    f"{c['last_density']:.4f}"))
+  elif s["compression"] != "none":
+    rows.append(("DP bytes sent / replica",
+                 f"not reported (tf_dct.compression.{COMPRESSOR_CLASSES[s['compression']]} "
+                 "has no communication accounting yet)"))
+  m = s["mp"]
+  if m:
+    ratio = m["dense_bytes"] / m["bytes"] if m["bytes"] else math.inf
+    rows.append(("MP bytes / replica (fwd+bwd)", f"{_mb(m['bytes'])} vs dense "
+                 f"{_mb(m['dense_bytes'])} ({ratio:.1f}x)"))
+  rows.append(("wall time", f"{s['wall_seconds']:.1f} s ({s['steps_per_sec']:.2f} steps/s)"))
+  width = max(len(k) for k, _ in rows)
+  print("\n| " + "quantity".ljust(width) + " | value |")
+  print("|" + "-" * (width + 2) + "|---|")
+  for key, value in rows:
+    print(f"| {key.ljust(width)} | {value} |")
+  sys.stdout.flush()
+
+
+def train(cfg: dict) -> dict:
+  """Builds, restores (if --model_dir has a checkpoint), trains; returns a summary."""
+  return Job(cfg).setup().run()
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise FlagError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
-  tf.get_logger().setLevel("WARNING")
-  train(resolved_config())
+  tf.get_logger().setLevel("ERROR")
+  try:
+    train(resolved_config())
+  except FlagError as e:  # one line naming the flag, not absl's full usage text
+    print(f"launch.train: error: {e}", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

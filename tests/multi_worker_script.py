@@ -338,6 +338,40 @@ def main() -> None:
           type(optimizer).__name__)
     return results
 
+  @section("dct_dp_conservation")
+  def _():
+    # SGD(lr=1) with DCT-DP across the 2 worker processes: what was applied
+    # plus what every replica still holds back equals every gradient seen.
+    from tf_dct.compression import DCTDP  # pylint: disable=g-import-not-at-top
+    compressor = DCTDP(sparsity=0.5, threshold_life=2)
+    with repl.scope():
+      model = tf_keras_model()
+      optimizer = repl.wrap_optimizer(tf_keras.optimizers.SGD(1.0),
+                                      compression=compressor)
+    variables = model.trainable_variables
+    seen = [repl.per_replica_state(tf.zeros(v.shape), name=f"seen_{i}")
+            for i, v in enumerate(variables)]
+
+    def step_fn(batch):
+      x, y = batch
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(model(x, training=True) - y)) / GLOBAL_BATCH
+      grads = tape.gradient(loss, variables)
+      for state, grad in zip(seen, grads):
+        state.local().assign_add(grad)
+      optimizer.apply_gradients(zip(grads, variables))
+      return loss
+
+    input_fn = train_input_fn()
+    for _ in range(TRAIN_STEPS):
+      repl.run(step_fn, input_fn)
+    stats = compressor.communication_stats()
+    return {"kernel": variables[0].numpy(), "bias": variables[1].numpy(),
+            "residual": [compressor.state_for(v)["residual"].numpy()[0]
+                         for v in variables],
+            "seen": [s.numpy()[0] for s in seen],
+            "density": stats["last"]["density"]}
+
   @section("keras3_custom_loop")
   def _():
     import keras  # pylint: disable=g-import-not-at-top

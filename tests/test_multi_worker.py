@@ -252,6 +252,21 @@ class MultiWorkerTest(tf.test.TestCase):
       # The wrapped class keeps the base's name (serialization round-trips).
       self.assertEqual(s["wrapped_class"], "SGD")
 
+  def test_dct_dp_conserves_gradient_mass_across_workers(self):
+    sections = self.section("dct_dp_conservation")
+    self.assertLen(sections, 2)
+    kernel0, bias0 = mws.initial_weights()
+    for name, w0, i in (("kernel", kernel0, 0), ("bias", bias0, 1)):
+      # Both workers applied the same aggregated updates.
+      self.assertAllEqual(np.asarray(sections[0][name]), np.asarray(sections[1][name]))
+      applied = w0 - np.asarray(sections[0][name])
+      held = sum(np.asarray(s["residual"][i]) for s in sections)
+      fed = sum(np.asarray(s["seen"][i]) for s in sections)
+      self.assertGreater(np.abs(held).max(), 0.0)  # something was held back
+      self.assertAllClose(applied + held, fed, atol=1e-5 * np.abs(fed).max(), rtol=0)
+    for s in sections:
+      self.assertLess(max(s["density"]), 1.0)
+
   def test_keras3_custom_loop_wrapped_equals_plain(self):
     self.check_custom_loop("keras3_custom_loop")
 

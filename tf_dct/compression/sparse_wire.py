@@ -258,11 +258,14 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     payload.append([encode_indices(idx, enc), val])
     layouts.append(enc)
   gathered = ctx.all_gather(payload, axis=0)
+  # One row per replica; the count is static even where the gathered shape is
+  # not (MultiWorkerMirrored leaves the leading dimension unknown).
+  replicas = ctx.num_replicas_in_sync
   out = []
   for (words, val), enc in zip(gathered, layouts):
-    rows = tf.reshape(words, [-1, enc.words])
-    idx = tf.concat([decode_indices(rows[r], enc)
-                     for r in range(rows.shape[0])], axis=0)
+    rows = tf.reshape(words, [replicas, enc.words])
+    idx = tf.concat([decode_indices(rows[r], enc) for r in range(replicas)],
+                    axis=0)
     out.append(scatter_sum(idx, val, enc.n))
   return out
 

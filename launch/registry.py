@@ -1,0 +1,374 @@
+"""What the launcher knows about each model of `models/`: one `ModelSpec` each.
+
+A spec adapts one module of `models/` (which knows nothing about compression
+or launching) to a uniform interface: build the model (optionally with a
+`split_fn`), its endless training dataset, its per-example loss, its
+evaluation, its split points, and the launcher defaults that suit it. The
+model modules are imported lazily, so `--model=mlp` never imports TFRS or
+tensorflow-text.
+
+Launcher defaults per model (`ModelSpec.defaults`) fill the flags that were not
+given; `ModelSpec.local` is what `--config=local` changes on top of them (tiny
+dimensions, few steps). Everything is plain data, listed by
+`python -m launch.train --helpfull` and documented in docs/launch.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from typing import Any, Callable
+
+import tensorflow as tf
+
+# Launcher settings every model has (flag name -> value); per-model defaults
+# override these, `--config=local` overrides those, explicit flags win.
+COMMON_DEFAULTS = {
+    "batch_size": 256, "steps": 300, "eval_every": 0, "log_every": 50,
+    "num_replicas": 4, "num_devices_per_replica": 1, "mp_splits": "",
+    "optimizer": "adam", "learning_rate": 1e-3,
+    "sparsity": 0.99, "threshold_life": 1000, "density": 0.01,
+    "threshold": 1e-3, "mp_sparsity": 0.9,
+}
+# --config=local for every model: a smoke run (models add tiny dimensions).
+# Sparsity/density are loosened because a tiny layer at 0.99 sparsity sends a
+# single entry per step and a 30-step run would show no learning.
+COMMON_LOCAL = {"steps": 30, "batch_size": 32, "log_every": 10, "eval_every": 0,
+                "sparsity": 0.9, "density": 0.1, "threshold_life": 10,
+                "threshold": 1e-3}
+
+
+@dataclasses.dataclass
+class ModelSpec:
+  """The launcher's view of one model module.
+
+  Attributes:
+    name: the `--model` value.
+    module: import path of the model module.
+    model_kwargs: keyword arguments of `build_model` for the full-size model.
+    local_model_kwargs: the same for `--config=local` (tiny dimensions).
+    defaults: launcher flag values for this model (over COMMON_DEFAULTS).
+    local: launcher flag values for `--config=local` (over COMMON_LOCAL).
+    metric: the headline metric key of `evaluate`'s result.
+    has_splits: whether `build_model` takes `split_fn` (DCT-MP split points).
+    paper_splits: what `--mp_splits=paper` means (DCT §3.1 / §3.2).
+    top_level_splits: split layers sit at the top level of a functional model
+      (so the launcher can place the layers after them on another device).
+    takes_data_dir: whether real data can be read from --data_dir.
+    fit_metrics: metrics for `model.compile` in --loop=fit.
+  """
+
+  name: str
+  module: str
+  model_kwargs: dict = dataclasses.field(default_factory=dict)
+  local_model_kwargs: dict = dataclasses.field(default_factory=dict)
+  defaults: dict = dataclasses.field(default_factory=dict)
+  local: dict = dataclasses.field(default_factory=dict)
+  metric: str = "loss"
+  has_splits: bool = False
+  paper_splits: tuple[str, ...] = ()
+  top_level_splits: bool = False
+  takes_data_dir: bool = True
+  fit_metrics: Callable[[Any], list] | None = None
+  # --- hooks, (spec, cfg, ...) -> ...; see the functions below -------------
+  build_fn: Callable[..., Any] | None = None
+  dataset_fn: Callable[..., Any] | None = None
+  evaluate_fn: Callable[..., dict] | None = None
+  points_fn: Callable[..., list] | None = None
+  loss_fn: Callable[..., Any] | None = None
+  _module: Any = dataclasses.field(default=None, repr=False)
+
+  def load(self):
+    """The model module (imported on first use, then cached: the loss is
+    called while tracing, where an import would trip autograph)."""
+    if self._module is None:
+      self._module = importlib.import_module(self.module)
+    return self._module
+
+  def kwargs(self, cfg: dict) -> dict:
+    return dict(self.local_model_kwargs if cfg["config"] == "local" else self.model_kwargs)
+
+  def build(self, cfg: dict, split_fn=None):
+    """The tf-keras model; `split_fn(point)` may return a layer (has_splits)."""
+    return self.build_fn(self, cfg, split_fn)
+
+  def dataset(self, cfg: dict) -> tf.data.Dataset:
+    """Endless global batches `(inputs, targets)` of the training split."""
+    return self.dataset_fn(self, cfg)
+
+  def loss(self, targets, outputs):
+    """Per-example loss, shape [batch]."""
+    return self.loss_fn(self, targets, outputs)
+
+  def evaluate(self, model, cfg: dict) -> dict:
+    """Held-out metrics (a dict with `self.metric`), plain floats."""
+    return self.evaluate_fn(self, model, cfg)
+
+  def split_points(self, cfg: dict) -> list[str]:
+    """Names the model's `split_fn` is called with, in forward order."""
+    return self.points_fn(self, cfg) if self.has_splits else []
+
+
+def _data_dir(cfg):
+  return cfg["data_dir"] or None
+
+
+def _repeat(ds, cfg):
+  """Real-data readers that stop after one pass are repeated for training."""
+  return ds.repeat() if cfg["data_dir"] else ds
+
+
+# --- mlp ---------------------------------------------------------------------
+
+
+def _mlp_build(spec, cfg, split_fn):
+  del split_fn
+  return spec.load().build_model(seed=cfg["seed"], **spec.kwargs(cfg))
+
+
+def _mlp_dataset(spec, cfg):
+  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"])
+
+
+def _mse(spec, targets, outputs):
+  del spec
+  return tf.reduce_mean(tf.square(outputs - targets), axis=-1)
+
+
+def _mlp_evaluate(spec, model, cfg):
+  # models/mlp has no held-out split (its teacher is fixed by the seed, as is
+  # the stream): the mse of the first 8 batches of the training stream.
+  data = spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"]).take(8)
+  total = count = 0.0
+  for x, y in data:
+    total += float(tf.reduce_sum(_mse(spec, y, model(x, training=False))))
+    count += int(y.shape[0])
+  return {"mse": total / count}
+
+
+# --- dlrm --------------------------------------------------------------------
+
+DLRM_LOCAL = {"vocab_sizes": 20, "embedding_dim": 4, "bottom_mlp": (8, 6, 4),
+              "top_mlp": (8, 6, 1)}
+
+
+def _dlrm_build(spec, cfg, split_fn):
+  return spec.load().build_model(seed=cfg["seed"], data_dir=_data_dir(cfg),
+                                 split_fn=split_fn, **spec.kwargs(cfg))
+
+
+def _dlrm_dataset(spec, cfg):
+  vocab = spec.kwargs(cfg).get("vocab_sizes")
+  return _repeat(spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"],
+                                          data_dir=_data_dir(cfg), vocab_sizes=vocab), cfg)
+
+
+def _dlrm_evaluate(spec, model, cfg):
+  vocab = spec.kwargs(cfg).get("vocab_sizes")
+  steps = 4 if cfg["config"] == "local" else 20
+  return spec.load().evaluate(model, cfg["batch_size"], seed=cfg["seed"],
+                              data_dir=_data_dir(cfg), steps=steps, vocab_sizes=vocab)
+
+
+def _dlrm_points(spec, cfg):
+  kw = spec.kwargs(cfg)
+  mod = spec.load()
+  return mod.split_points(kw.get("bottom_mlp", mod.BOTTOM_MLP), kw.get("top_mlp", mod.TOP_MLP))
+
+
+def _module_loss(spec, targets, outputs):
+  return spec.load().loss(targets, outputs)
+
+
+def _dlrm_metrics(spec):
+  return spec.load().metrics()
+
+
+# --- ncf ---------------------------------------------------------------------
+
+
+def _ncf_build(spec, cfg, split_fn):
+  del split_fn
+  return spec.load().build_model(seed=cfg["seed"], data_dir=_data_dir(cfg), **spec.kwargs(cfg))
+
+
+def _ncf_dataset(spec, cfg):
+  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], data_dir=_data_dir(cfg))
+
+
+def _ncf_evaluate(spec, model, cfg):
+  return spec.load().evaluate(model, seed=cfg["seed"], data_dir=_data_dir(cfg))
+
+
+def _ncf_metrics(spec):
+  return spec.load().metrics()
+
+
+# --- transformer -------------------------------------------------------------
+
+TRANSFORMER_DATA = {"tokenizer": "wordpiece", "max_len": 64}
+TRANSFORMER_LOCAL_DATA = {"tokenizer": "bytes", "max_len": 24}
+
+
+def _tr_data(cfg):
+  return TRANSFORMER_LOCAL_DATA if cfg["config"] == "local" else TRANSFORMER_DATA
+
+
+def _tr_build(spec, cfg, split_fn):
+  return spec.load().build_model(seed=cfg["seed"], data_dir=_data_dir(cfg), split_fn=split_fn,
+                                 **_tr_data(cfg), **spec.kwargs(cfg))
+
+
+def _tr_dataset(spec, cfg):
+  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"],
+                                  data_dir=_data_dir(cfg), **_tr_data(cfg))
+
+
+def _tr_evaluate(spec, model, cfg):
+  examples = 16 if cfg["config"] == "local" else None
+  return spec.load().evaluate(model, batch_size=64, seed=cfg["seed"], data_dir=_data_dir(cfg),
+                              max_examples=examples, **_tr_data(cfg))
+
+
+def _tr_points(spec, cfg):
+  kw = {**spec.load().DEFAULT_CONFIG, **spec.kwargs(cfg)}
+  return spec.load().split_points(kw["num_encoder_layers"], kw["num_decoder_layers"])
+
+
+# --- resnet ------------------------------------------------------------------
+
+
+def _resnet_build(spec, cfg, split_fn):
+  del split_fn
+  return spec.load().build_model(seed=cfg["seed"], data_dir=_data_dir(cfg), **spec.kwargs(cfg))
+
+
+def _resnet_dataset(spec, cfg):
+  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], data_dir=_data_dir(cfg))
+
+
+def _resnet_loss(spec, targets, outputs):
+  return spec.load().loss(targets, outputs)
+
+
+def _resnet_evaluate(spec, model, cfg):
+  return spec.load().evaluate(model, batch_size=256, seed=cfg["seed"], data_dir=_data_dir(cfg))
+
+
+# --- lstm_lm -----------------------------------------------------------------
+
+LSTM_SEQ_LEN = {"default": 35, "local": 20}
+
+
+def _lstm_build(spec, cfg, split_fn):
+  del split_fn
+  return spec.load().build_model(seed=cfg["seed"], data_dir=_data_dir(cfg), **spec.kwargs(cfg))
+
+
+def _lstm_dataset(spec, cfg):
+  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], data_dir=_data_dir(cfg),
+                                  seq_len=LSTM_SEQ_LEN[cfg["config"]])
+
+
+def _lstm_evaluate(spec, model, cfg):
+  return spec.load().evaluate(model, batch_size=64, seed=cfg["seed"], data_dir=_data_dir(cfg),
+                              seq_len=LSTM_SEQ_LEN[cfg["config"]])
+
+
+def _tiny(module: str, name: str = "TINY_CONFIG") -> dict:
+  """`module.TINY_CONFIG` without importing at definition time."""
+  return {"__from__": (module, name)}
+
+
+SPECS: dict[str, ModelSpec] = {
+    "mlp": ModelSpec(
+        "mlp", "models.mlp", local_model_kwargs={"hidden": (32, 16)},
+        defaults={"optimizer": "sgd", "learning_rate": 0.05, "batch_size": 256,
+                  "steps": 300},
+        local={"optimizer": "sgd", "learning_rate": 0.05},
+        metric="mse", takes_data_dir=False,
+        build_fn=_mlp_build, dataset_fn=_mlp_dataset, evaluate_fn=_mlp_evaluate,
+        loss_fn=_mse),
+    "dlrm": ModelSpec(
+        "dlrm", "models.dlrm", local_model_kwargs=DLRM_LOCAL,
+        # The Quick-start main job: DCT §3.1 dims, DCT-DP across 2 replicas,
+        # DCT-MP at the paper's two splits across 2 devices per replica.
+        defaults={"num_replicas": 2, "num_devices_per_replica": 2, "mp_splits": "paper",
+                  "optimizer": "adam", "learning_rate": 1e-3, "batch_size": 256,
+                  "steps": 300, "log_every": 50, "eval_every": 0},
+        local={"learning_rate": 0.02, "batch_size": 64},
+        metric="auc", has_splits=True, paper_splits=("bottom_1", "top_1"),
+        top_level_splits=True, fit_metrics=_dlrm_metrics,
+        build_fn=_dlrm_build, dataset_fn=_dlrm_dataset, evaluate_fn=_dlrm_evaluate,
+        points_fn=_dlrm_points, loss_fn=_module_loss),
+    "ncf": ModelSpec(
+        "ncf", "models.ncf", local_model_kwargs={"mf_dim": 8, "mlp_layers": (16, 8)},
+        defaults={"optimizer": "adam", "learning_rate": 1e-3, "batch_size": 1024,
+                  "steps": 1000},
+        local={"learning_rate": 0.01, "batch_size": 256},
+        metric="hr@10", fit_metrics=_ncf_metrics,
+        build_fn=_ncf_build, dataset_fn=_ncf_dataset, evaluate_fn=_ncf_evaluate,
+        loss_fn=_module_loss),
+    "transformer": ModelSpec(
+        "transformer", "models.transformer", local_model_kwargs=_tiny("models.transformer"),
+        defaults={"optimizer": "adam", "learning_rate": 5e-4, "batch_size": 64,
+                  "steps": 2000},
+        local={"learning_rate": 3e-3, "batch_size": 32},
+        # DCT §3.2: one split after the FFN ReLU of the fifth encoder layer.
+        metric="bleu", has_splits=True, paper_splits=("encoder_ffn_4",),
+        build_fn=_tr_build, dataset_fn=_tr_dataset, evaluate_fn=_tr_evaluate,
+        points_fn=_tr_points, loss_fn=_module_loss),
+    "resnet": ModelSpec(
+        "resnet", "models.resnet", local_model_kwargs=_tiny("models.resnet"),
+        defaults={"optimizer": "momentum", "learning_rate": 0.05, "batch_size": 128,
+                  "steps": 2000},
+        local={"optimizer": "adam", "learning_rate": 1e-2, "batch_size": 32},
+        metric="accuracy",
+        build_fn=_resnet_build, dataset_fn=_resnet_dataset, evaluate_fn=_resnet_evaluate,
+        loss_fn=_resnet_loss),
+    "lstm_lm": ModelSpec(
+        "lstm_lm", "models.lstm_lm", local_model_kwargs=_tiny("models.lstm_lm"),
+        defaults={"optimizer": "sgd", "learning_rate": 1.0, "batch_size": 64,
+                  "steps": 2000},
+        local={"optimizer": "adam", "learning_rate": 3e-2, "batch_size": 32},
+        metric="perplexity",
+        build_fn=_lstm_build, dataset_fn=_lstm_dataset, evaluate_fn=_lstm_evaluate,
+        loss_fn=_module_loss),
+}
+
+
+def _resolve_tiny(spec: ModelSpec) -> None:
+  ref = spec.local_model_kwargs.get("__from__")
+  if ref:
+    module, name = ref
+    spec.local_model_kwargs = dict(getattr(importlib.import_module(module), name))
+
+
+def get(name: str) -> ModelSpec:
+  """The spec of `--model=name` (ValueError listing the known names)."""
+  if name not in SPECS:
+    raise ValueError(f"unknown model {name!r}; expected one of {sorted(SPECS)}")
+  spec = SPECS[name]
+  _resolve_tiny(spec)
+  return spec
+
+
+def settings(name: str, config: str) -> dict:
+  """Launcher settings of a model under a preset: COMMON < model < local."""
+  spec = SPECS[name]
+  out = {**COMMON_DEFAULTS, **spec.defaults}
+  if config == "local":
+    out.update(COMMON_LOCAL)
+    out.update(spec.local)
+  return out
+
+
+def check_data_dir(spec: ModelSpec, data_dir: str) -> None:
+  """Raises ValueError naming `data_dir` when it cannot be used."""
+  if not data_dir:
+    return
+  if not spec.takes_data_dir:
+    raise ValueError(f"--model={spec.name} has synthetic data only; drop --data_dir")
+  if not os.path.isdir(data_dir):
+    raise ValueError(f"--data_dir {data_dir!r} does not exist or is not a directory")
