@@ -133,6 +133,28 @@ class Compressor(tf.Module):
                          "creating state")
     return self._replicator.per_replica_state(initial_value, name=name)
 
+  def check_variable(self, variable: tf.Variable, max_size: int | None = None
+                     ) -> int:
+    """Returns the entry count N of a variable this compressor can handle.
+
+    Raises:
+      TypeError: the variable is not floating point (named).
+      ValueError: its shape is not static, or N exceeds `max_size` (named).
+    """
+    owner = type(self).__name__
+    if not variable.dtype.is_floating:
+      raise TypeError(f"{owner} compresses floating-point variables only; "
+                      f"variable {variable.name!r} has dtype "
+                      f"{variable.dtype.name}")
+    n = variable.shape.num_elements()
+    if n is None:
+      raise ValueError(f"{owner} needs a static shape; variable "
+                       f"{variable.name!r} has shape {variable.shape}")
+    if max_size is not None and n > max_size:
+      raise ValueError(f"{owner}: variable {variable.name!r} has {n} entries; "
+                       f"int32 positions allow at most {max_size}")
+    return n
+
   def state_for(self, variable: tf.Variable) -> dict:
     """The per-replica state of `variable` (created on first use)."""
     return self._states_for([variable])[0]
@@ -144,9 +166,9 @@ class Compressor(tf.Module):
         if ref not in self._keys:
           base = re.sub(r"[^A-Za-z0-9_]+", "_", var.name.split(":")[0])
           key = f"v{len(self._keys):03d}_{base}"
-          self._keys[ref] = key
           with tf.init_scope():  # state is created eagerly, once, for all replicas
             self.state[key] = self.create_state(var)
+          self._keys[ref] = key  # only once its state exists
       return [self.state[self._keys[v.ref()]] for v in variables]
 
   def aggregate(self, grads_and_vars) -> list:

@@ -79,21 +79,24 @@ step) and `overflow` (entries that reached the threshold but did not fit).
 
 from __future__ import annotations
 
-import decimal
+import functools
 import math
 import numbers
 import re
 
 import tensorflow as tf
 
+from tf_dct import validation
 from tf_dct.compression import accounting
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
 
+_check = functools.partial(validation.check_number, "DCTDP")
+
 
 def num_below(n: int, sparsity: float) -> int:
   """m = floor(n * sparsity), computed on the decimal value of `sparsity`."""
-  return math.floor(decimal.Decimal(repr(float(sparsity))) * n)
+  return validation.floor_fraction(n, sparsity)
 
 
 def expected_count(n: int, sparsity: float) -> int:
@@ -103,7 +106,7 @@ def expected_count(n: int, sparsity: float) -> int:
 
 def capacity(n: int, sparsity: float, capacity_factor: float) -> int:
   """Wire slots per variable and replica: min(n, ceil(factor * expected))."""
-  factor = decimal.Decimal(repr(float(capacity_factor)))
+  factor = validation.as_decimal(capacity_factor)
   return min(n, math.ceil(factor * expected_count(n, sparsity)))
 
 
@@ -116,22 +119,6 @@ def order_statistic_threshold(magnitudes: tf.Tensor, m: int) -> tf.Tensor:
   # exact order statistic, ties included. k is a Python int (one XLA compile).
   k = n - m
   return tf.math.top_k(magnitudes, k=k, sorted=True).values[k - 1]
-
-
-def _check_number(name, value, kind, lo, lo_open, hi=None, hi_open=False):
-  """Raises ValueError naming `name` unless `value` is a `kind` in range."""
-  if hi is None:
-    allowed = f"{'>' if lo_open else '>='} {lo}"
-  else:
-    allowed = (f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
-  what = "an int" if kind is numbers.Integral else "a number"
-  ok = (not isinstance(value, bool) and isinstance(value, kind)
-        and math.isfinite(value)
-        and (value > lo if lo_open else value >= lo)
-        and (hi is None or (value < hi if hi_open else value <= hi)))
-  if not ok:
-    raise ValueError(f"DCTDP: {name} must be {what} {allowed}, got {value!r}")
-  return value
 
 
 def _check_band(band):
@@ -204,16 +191,15 @@ class DCTDP(Compressor):
                density_band: tuple[float, float] | None = None,
                index_encoding: str = "auto"):
     super().__init__(name=name)
-    self.sparsity = float(_check_number("sparsity", sparsity, numbers.Real,
-                                        0, True, 1, True))
-    self.threshold_life = int(_check_number("threshold_life", threshold_life,
-                                            numbers.Integral, 1, False))
-    self.capacity_factor = float(_check_number(
-        "capacity_factor", capacity_factor, numbers.Real, 1, False))
-    self.min_size = int(_check_number("min_size", min_size, numbers.Integral,
-                                      0, False))
-    self.warmup_steps = int(_check_number("warmup_steps", warmup_steps,
-                                          numbers.Integral, 0, False))
+    self.sparsity = float(_check("sparsity", sparsity, numbers.Real, 0, True,
+                                 1, True))
+    self.threshold_life = int(_check("threshold_life", threshold_life,
+                                     numbers.Integral, 1, False))
+    self.capacity_factor = float(_check("capacity_factor", capacity_factor,
+                                        numbers.Real, 1, False))
+    self.min_size = int(_check("min_size", min_size, numbers.Integral, 0, False))
+    self.warmup_steps = int(_check("warmup_steps", warmup_steps,
+                                   numbers.Integral, 0, False))
     self.density_band = _check_band(density_band)
     if index_encoding != "auto" and index_encoding not in sparse_wire.ENCODINGS:
       raise ValueError(f"DCTDP: index_encoding must be 'auto' or one of "
@@ -225,18 +211,7 @@ class DCTDP(Compressor):
     return n == 0 or n < self.min_size
 
   def create_state(self, variable):
-    if not variable.dtype.is_floating:
-      raise TypeError(f"DCTDP compresses floating-point variables only; "
-                      f"variable {variable.name!r} has dtype "
-                      f"{variable.dtype.name}")
-    n = variable.shape.num_elements()
-    if n is None:
-      raise ValueError(f"DCTDP needs a static shape; variable {variable.name!r} "
-                       f"has shape {variable.shape}")
-    if n >= sparse_wire.MAX_SIZE:
-      raise ValueError(f"DCTDP: variable {variable.name!r} has {n} entries; the "
-                       f"wire's int32 positions allow at most "
-                       f"{sparse_wire.MAX_SIZE - 1}")
+    n = self.check_variable(variable, sparse_wire.MAX_SIZE - 1)
     if self._is_dense(variable):
       return {}
     base = "dct_dp/" + re.sub(r"[^A-Za-z0-9_]+", "_", variable.name.split(":")[0])

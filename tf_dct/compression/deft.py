@@ -87,18 +87,20 @@ replica chose itself).
 
 from __future__ import annotations
 
+import functools
 import dataclasses
-import decimal
-import math
 import numbers
 import re
 from typing import Sequence
 
 import tensorflow as tf
 
+from tf_dct import validation
 from tf_dct.compression import accounting
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
+
+_check = functools.partial(validation.check_number, "DEFT")
 
 # Mitchell log2 in fixed point: float32 bits minus the exponent bias.
 LOG2_ONE = 1 << 23
@@ -134,8 +136,7 @@ def partition(sizes: Sequence[int], num_replicas: int) -> list[Partition]:
 
 def total_k(num_entries: int, density: float) -> int:
   """k_total = max(1, floor(n_g * density)) on the decimal value of density."""
-  d = decimal.Decimal(repr(float(density)))
-  return max(1, math.floor(d * num_entries))
+  return max(1, validation.floor_fraction(num_entries, density))
 
 
 def union_capacity(num_entries: int, k_total: int, num_partitions: int) -> int:
@@ -223,20 +224,6 @@ def owners(bins: tf.Tensor, step: tf.Tensor, num_replicas: int) -> tf.Tensor:
   return tf.math.floormod(bins - cycle, num_replicas)  # DEFT Alg. 4 lines 2, 17
 
 
-def _check_number(name, value, kind, lo, lo_open, hi=None):
-  """Raises ValueError naming `name` unless `value` is a `kind` in range."""
-  allowed = (f"{'>' if lo_open else '>='} {lo}" if hi is None
-             else f"in {'(' if lo_open else '['}{lo}, {hi}]")
-  what = "an int" if kind is numbers.Integral else "a number"
-  ok = (not isinstance(value, bool) and isinstance(value, kind)
-        and math.isfinite(value)
-        and (value > lo if lo_open else value >= lo)
-        and (hi is None or value <= hi))
-  if not ok:
-    raise ValueError(f"DEFT: {name} must be {what} {allowed}, got {value!r}")
-  return value
-
-
 class DEFT(Compressor):
   """DEFT gradient compressor: partitioned whole-model top-k, error feedback.
 
@@ -253,22 +240,13 @@ class DEFT(Compressor):
   def __init__(self, density: float = 0.01, min_size: int = 0,
                warmup_steps: int = 0, name: str | None = None):
     super().__init__(name=name)
-    self.density = float(_check_number("density", density, numbers.Real,
-                                       0, True, 1))
-    self.min_size = int(_check_number("min_size", min_size, numbers.Integral,
-                                      0, False))
-    self.warmup_steps = int(_check_number("warmup_steps", warmup_steps,
-                                          numbers.Integral, 0, False))
+    self.density = float(_check("density", density, numbers.Real, 0, True, 1))
+    self.min_size = int(_check("min_size", min_size, numbers.Integral, 0, False))
+    self.warmup_steps = int(_check("warmup_steps", warmup_steps,
+                                   numbers.Integral, 0, False))
 
   def create_state(self, variable):
-    if not variable.dtype.is_floating:
-      raise TypeError(f"DEFT compresses floating-point variables only; "
-                      f"variable {variable.name!r} has dtype "
-                      f"{variable.dtype.name}")
-    n = variable.shape.num_elements()
-    if n is None:
-      raise ValueError(f"DEFT needs a static shape; variable {variable.name!r} "
-                       f"has shape {variable.shape}")
+    n = self.check_variable(variable)
     if n == 0 or n < self.min_size:
       return {}
     base = "deft/" + re.sub(r"[^A-Za-z0-9_]+", "_", variable.name.split(":")[0])

@@ -40,48 +40,27 @@ the last step).
 from __future__ import annotations
 
 import dataclasses
-import decimal
 import math
 import numbers
 import re
 
 import tensorflow as tf
 
+from tf_dct import validation
 from tf_dct.compression import accounting
 from tf_dct.compression import dct_dp
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
 
 
-def check_number(owner: str, name: str, value, kind, lo, lo_open: bool,
-                 hi=None, hi_open: bool = False):
-  """Returns `value` if it is a finite `kind` in range, else a ValueError."""
-  if hi is None:
-    allowed = f"{'>' if lo_open else '>='} {lo}"
-  else:
-    allowed = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-  what = "an int" if kind is numbers.Integral else "a number"
-  ok = (not isinstance(value, bool) and isinstance(value, kind)
-        and math.isfinite(value)
-        and (value > lo if lo_open else value >= lo)
-        and (hi is None or (value < hi if hi_open else value <= hi)))
-  if not ok:
-    raise ValueError(f"{owner}: {name} must be {what} {allowed}, got {value!r}")
-  return value
-
-
-def _decimal(x: float) -> decimal.Decimal:
-  return decimal.Decimal(repr(float(x)))
-
-
 def selected_count(n: int, density: float) -> int:
   """k = n - floor(n * (1 - density)), on the decimal value of `density`."""
-  return n - math.floor((1 - _decimal(density)) * n)
+  return n - math.floor((1 - validation.as_decimal(density)) * n)
 
 
 def slots(n: int, count: int, factor: float) -> int:
   """Wire capacity: min(n, ceil(factor * count)), on decimal values."""
-  return min(n, math.ceil(_decimal(factor) * count))
+  return min(n, math.ceil(validation.as_decimal(factor) * count))
 
 
 @dataclasses.dataclass
@@ -128,28 +107,17 @@ class ErrorFeedbackCompressor(Compressor):
                                         numbers.Integral, 0, False))
 
   def _check(self, *args, **kwargs):
-    return check_number(type(self).__name__, *args, **kwargs)
+    return validation.check_number(type(self).__name__, *args, **kwargs)
 
   def _is_dense(self, variable) -> bool:
     n = variable.shape.num_elements()
     return n == 0 or n < self.min_size
 
   def create_state(self, variable):
-    owner = type(self).__name__
-    if not variable.dtype.is_floating:
-      raise TypeError(f"{owner} compresses floating-point variables only; "
-                      f"variable {variable.name!r} has dtype "
-                      f"{variable.dtype.name}")
-    n = variable.shape.num_elements()
-    if n is None:
-      raise ValueError(f"{owner} needs a static shape; variable "
-                       f"{variable.name!r} has shape {variable.shape}")
-    if n >= sparse_wire.MAX_SIZE:
-      raise ValueError(f"{owner}: variable {variable.name!r} has {n} entries; "
-                       f"int32 positions allow at most {sparse_wire.MAX_SIZE - 1}")
+    n = self.check_variable(variable, sparse_wire.MAX_SIZE - 1)
     if self._is_dense(variable):
       return {}
-    base = owner.lower() + "/" + re.sub(r"[^A-Za-z0-9_]+", "_",
+    base = type(self).__name__.lower() + "/" + re.sub(r"[^A-Za-z0-9_]+", "_",
                                         variable.name.split(":")[0])
     init = {"residual": tf.zeros(variable.shape, variable.dtype),
             "step": tf.zeros([], tf.int64),

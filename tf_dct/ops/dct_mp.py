@@ -25,11 +25,12 @@ Conventions (the numpy reference in tests/ops/reference.py follows them):
 
 from __future__ import annotations
 
-import decimal
 import math
 import numbers
 
 import tensorflow as tf
+
+from tf_dct import validation
 
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
@@ -46,7 +47,7 @@ def check_sparsity(sparsity, caller: str = "dct_mp") -> float:
 
 def num_dropped(d: int, sparsity: float) -> int:
   """m = floor(d * sparsity), on the decimal value of `sparsity`."""
-  return math.floor(decimal.Decimal(repr(float(sparsity))) * d)
+  return validation.floor_fraction(d, sparsity)
 
 
 def num_kept(d: int, sparsity: float) -> int:

@@ -1,0 +1,42 @@
+"""Small checks and counts shared by the compressors and the DCT-MP ops."""
+
+from __future__ import annotations
+
+import decimal
+import math
+import numbers
+
+
+def as_decimal(x: float) -> decimal.Decimal:
+  """The decimal value of `x` as written (0.29 stays 0.29, not 0.2899...)."""
+  return decimal.Decimal(repr(float(x)))
+
+
+def floor_fraction(n: int, fraction: float) -> int:
+  """floor(n * fraction), on the decimal value of `fraction`.
+
+  Binary floating point would give floor(100 * 0.29) = 28; sparsities and
+  densities are meant as written, so this gives 29.
+  """
+  return math.floor(as_decimal(fraction) * n)
+
+
+def check_number(owner: str, name: str, value, kind, lo, lo_open: bool,
+                 hi=None, hi_open: bool = False):
+  """Returns `value` if it is a finite `kind` in range, else a ValueError.
+
+  The message names the owner, the parameter and the allowed range, e.g.
+  "DCTDP: sparsity must be a number in (0, 1), got 1.5".
+  """
+  if hi is None:
+    allowed = f"{'>' if lo_open else '>='} {lo}"
+  else:
+    allowed = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+  what = "an int" if kind is numbers.Integral else "a number"
+  ok = (not isinstance(value, bool) and isinstance(value, kind)
+        and math.isfinite(value)
+        and (value > lo if lo_open else value >= lo)
+        and (hi is None or (value < hi if hi_open else value <= hi)))
+  if not ok:
+    raise ValueError(f"{owner}: {name} must be {what} {allowed}, got {value!r}")
+  return value
