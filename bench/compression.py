@@ -1,0 +1,416 @@
+r"""Gradient compression benchmark (issue 3): bytes, density, selection, step time.
+
+One process, the CPU split into 4 logical devices. The model is DLRM's dense
+part with DCT §3.1's shapes (embedding dim 16): a bottom MLP 13 -> 512 -> 256
+-> 64 -> 16 and a top MLP 367 -> 512 -> 256 -> 128 -> 1, where 367 = 16 (the
+bottom output) + 351 pairwise dot products of 27 16-dim vectors (26 sparse
+features + the bottom output). The embedding tables and the interaction are
+not modelled: the 351 interaction features come from the synthetic data. It is
+a real tf-keras model (ReLU, sigmoid cross-entropy, SGD(0.01)) trained on
+synthetic teacher-labelled data with `Replicator.run(step_fn, input_fn)` and
+`repl.wrap_optimizer(opt, compression=...)`. All kernels and biases go through
+the compressor (min_size = 0).
+
+Prints:
+
+(a) bytes ratio dense / compressor at n = 4 from `communication_stats()`
+    totals (every replica, every step): ring (dense_bytes / bytes_sent, the
+    ring all-reduce / all-gather model) and payload (dense_payload_bytes /
+    payload_bytes, what a replica contributes, DCT's parameter-server view).
+    Values, indices, counts, norms and padding are all counted.
+(b) achieved density nnz(aggregate) / N per compressor: real replicas at
+    n = 2 and 4 (the same training runs), and a numpy simulation at n = 2, 4,
+    8, 16 of each algorithm with error feedback on real per-replica gradients
+    of the model at its initial weights (different batches per replica and
+    step, weights frozen; DEFT's partition / k / packing from
+    tests/compression/reference_deft.py).
+(c) selection time per replica: `tf.math.top_k` over the whole concatenated
+    model gradient (k = 1%) vs DEFT's per-replica selection (top-k over the
+    partitions the replica owns, with DEFT's static bound K_x), each timed in
+    isolation on one device (median), the slowest replica reported; plus the
+    in-run selection_seconds of DEFT and TopK for context.
+(d) step time of DCTDP(L=1000), DCTDP(L=1) (and the others) relative to
+    Dense, n = 4, no network (logical CPUs share memory): interleaved timed
+    blocks, median.
+
+Usage:
+  python bench/compression.py            # full
+  python bench/compression.py --quick    # n = 4 only, 6 steps; ~9 min on 2 shared cores (goal was < 2 min)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import math  # pylint: disable=g-import-not-at-top,wrong-import-position
+import time  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tf_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct import compression  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests.compression import reference_deft  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("quick", False, "smoke run (n = 4 only, few steps)")
+flags.DEFINE_integer("steps", None, "training steps per compressor and n "
+                     "(default 40, quick 6)")
+flags.DEFINE_integer("sim_steps", None, "numpy simulation steps (default 12, "
+                     "quick 2)")
+flags.DEFINE_integer("repeats", None, "timed blocks per side (default 7, quick 2)")
+flags.DEFINE_integer("block", None, "steps per timed block (default 20, quick 5)")
+flags.DEFINE_integer("batch_size", 256, "global batch")
+flags.DEFINE_list("real_n", None, "replica counts of the real runs "
+                  "(default 2,4; quick 4: each run traces a 16-variable step)")
+
+NUM_CPUS = 4
+DENSITY = 0.01
+BOTTOM = [512, 256, 64, 16]
+TOP = [512, 256, 128, 1]
+DENSE_IN, INTER = 13, 351          # 16 + 351 = 367 top-MLP input
+NAMES = ["Dense", "DCTDP(L=1000)", "DCTDP(L=1)", "DEFT", "TopK", "CLTK",
+         "HardThreshold"]
+
+
+def make_compressor(name, lam):
+  return {"Dense": lambda: compression.Dense(),
+          "DCTDP(L=1000)": lambda: compression.DCTDP(0.99, threshold_life=1000),
+          "DCTDP(L=1)": lambda: compression.DCTDP(0.99, threshold_life=1),
+          "DEFT": lambda: compression.DEFT(DENSITY),
+          "TopK": lambda: compression.TopK(DENSITY),
+          "CLTK": lambda: compression.CLTK(DENSITY),
+          "HardThreshold": lambda: compression.HardThreshold(lam)}[name]()
+
+
+def build_model():
+  tf_keras.utils.set_random_seed(0)
+  dense_in = tf_keras.Input((DENSE_IN,))
+  inter = tf_keras.Input((INTER,))
+  h = dense_in
+  for width in BOTTOM:
+    h = tf_keras.layers.Dense(width, activation="relu")(h)
+  h = tf_keras.layers.Concatenate()([h, inter])
+  for width in TOP[:-1]:
+    h = tf_keras.layers.Dense(width, activation="relu")(h)
+  out = tf_keras.layers.Dense(TOP[-1])(h)
+  return tf_keras.Model([dense_in, inter], out)
+
+
+def make_data(samples):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(samples, DENSE_IN)).astype(np.float32)
+  z = rng.normal(size=(samples, INTER)).astype(np.float32)
+  logit = x @ rng.normal(size=(DENSE_IN,)) + 0.2 * z @ rng.normal(size=(INTER,))
+  y = (logit > 0).astype(np.float32)[:, None]
+  return x, z, y
+
+
+def loss_fn(model, x, z, y, global_batch):
+  logits = model([x, z], training=True)
+  per = tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits)
+  return tf.reduce_sum(per) / global_batch
+
+
+class Run:
+  """One model + wrapped optimizer + compressor on n replicas."""
+
+  def __init__(self, name, n, lam, data, weights):
+    self.name, self.n = name, n
+    self.repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(n)])
+    self.compressor = make_compressor(name, lam)
+    gb = FLAGS.batch_size
+    with self.repl.scope():
+      self.model = build_model()
+      self.model.set_weights(weights)
+      self.opt = self.repl.wrap_optimizer(tf_keras.optimizers.SGD(0.01),
+                                          compression=self.compressor)
+    x, z, y = data
+    model, opt = self.model, self.opt
+
+    def input_fn(ctx):
+      del ctx
+      return tf.data.Dataset.from_tensor_slices((x, z, y)).batch(
+          gb, drop_remainder=True).repeat().prefetch(2)
+
+    def step_fn(batch):
+      xb, zb, yb = batch
+      with tf.GradientTape() as tape:
+        loss = loss_fn(model, xb, zb, yb, gb)
+      grads = tape.gradient(loss, model.trainable_variables)
+      opt.apply_gradients(zip(grads, model.trainable_variables))
+      return loss
+
+    self.input_fn, self.step_fn = input_fn, step_fn
+
+  def steps(self, k):
+    out = None
+    for _ in range(k):
+      out = self.repl.run(self.step_fn, self.input_fn)
+    for v in self.repl.experimental_local_results(out):
+      v.numpy()
+
+  def stats(self):
+    s = self.compressor.communication_stats()
+    tot = s["total"]
+    f = lambda key: float(sum(tot[key]))
+    return {
+        "ring": f("dense_bytes") / f("bytes_sent") if f("bytes_sent") else
+                float("nan"),
+        "payload": f("dense_payload_bytes") / f("payload_bytes"),
+        "density": float(np.mean(tot["density"])),
+        "sel_ms": 1e3 * f("selection_seconds") / max(1, sum(s["steps"])),
+        "steps": s["steps"][0],
+    }
+
+
+# ---------------------------------------------------------------- simulation
+
+def sim_density(grad_stream, n, steps, lam, sizes):
+  """Numpy error-feedback simulation of each algorithm; mean union density."""
+  bounds = np.cumsum([0] + sizes)
+  n_g = int(bounds[-1])
+  algos = ["DCTDP(L=1000)", "DCTDP(L=1)", "DEFT", "TopK", "CLTK",
+           "HardThreshold"]
+  res = {a: [np.zeros(n_g, np.float32) for _ in range(n)] for a in algos}
+  taus = {a: [[None] * len(sizes) for _ in range(n)] for a in algos}
+  dens = {a: [] for a in algos}
+  parts = reference_deft.partition(sizes, n)
+  p_sizes = [p[2] for p in parts]
+  k_total = reference_deft.total_k(n_g, DENSITY)
+  ks = [max(1, math.ceil(s * DENSITY - 1e-9)) for s in sizes]   # ceil(n d)
+
+  def top(a, k):
+    if k >= a.size:
+      return np.arange(a.size)
+    return np.argpartition(-np.abs(a), k - 1)[:k]
+
+  for t in range(steps):
+    g = [grad_stream(t, r) for r in range(n)]
+    for a in algos:
+      acc = [g[r] + res[a][r] for r in range(n)]
+      union = np.zeros(n_g, bool)
+      if a == "DEFT":
+        norms = np.zeros(len(parts), np.float32)
+        for r in range(n):
+          for x, (_, st, sz) in enumerate(parts):
+            norms[x] += np.float32(np.linalg.norm(acc[r][st:st + sz]))
+        k = reference_deft.local_k(norms, p_sizes, k_total)
+        own = reference_deft.owners(reference_deft.pack(k, p_sizes, n), t, n)
+        for x, (_, st, sz) in enumerate(parts):
+          union[st + top(acc[own[x]][st:st + sz], k[x])] = True
+      elif a == "CLTK":
+        leader = t % n
+        for v, kv in enumerate(ks):
+          lo, hi = bounds[v], bounds[v + 1]
+          union[lo + top(acc[leader][lo:hi], kv)] = True
+      else:
+        for r in range(n):
+          for v, kv in enumerate(ks):
+            lo, hi = bounds[v], bounds[v + 1]
+            piece = np.abs(acc[r][lo:hi])
+            if a == "TopK":
+              mask = np.zeros(hi - lo, bool)
+              mask[top(piece, kv)] = True
+            else:
+              if a == "HardThreshold":
+                tau, cap = lam, math.ceil(0.05 * (hi - lo))
+              else:
+                life = 1000 if a == "DCTDP(L=1000)" else 1
+                if t % life == 0:
+                  taus[a][r][v] = (np.partition(piece, piece.size - kv)
+                                   [piece.size - kv])
+                tau, cap = taus[a][r][v], min(hi - lo, math.ceil(2 * kv))
+              mask = piece >= tau
+              mask &= (np.cumsum(mask) - mask) < cap
+            union[lo:hi] |= mask
+      for r in range(n):
+        res[a][r] = np.where(union, 0, acc[r]).astype(np.float32)
+      dens[a].append(union.mean())
+  return {a: float(np.mean(d)) for a, d in dens.items()}
+
+
+def gradient_stream(model, data, sizes):
+  """grad(t, r): flat gradient of a per-replica batch (frozen weights)."""
+  x, z, y = data
+  per = FLAGS.batch_size // NUM_CPUS
+  cache = {}
+
+  @tf.function
+  def grad(xb, zb, yb):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(model, xb, zb, yb, FLAGS.batch_size)
+    gs = tape.gradient(loss, model.trainable_variables)
+    return tf.concat([tf.reshape(g, [-1]) for g in gs], 0)
+
+  def fn(t, r):
+    key = (t, r)
+    if key not in cache:
+      i = ((t * 16 + r) * per) % (len(x) - per)
+      cache.clear()
+      cache[key] = grad(x[i:i + per], z[i:i + per], y[i:i + per]).numpy()
+    return cache[key]
+  del sizes
+  return fn
+
+
+# ----------------------------------------------------------------- selection
+
+def selection_times(flat, n, repeats):
+  """Median seconds: whole-model top-k vs the slowest DEFT replica."""
+  sizes = flat["sizes"]
+  g = flat["g"]
+  n_g = g.size
+  k_total = reference_deft.total_k(n_g, DENSITY)
+  parts = reference_deft.partition(sizes, n)
+  p_sizes = [p[2] for p in parts]
+  norms = [np.float32(np.linalg.norm(g[s:s + z])) * n for _, s, z in parts]
+  k = reference_deft.local_k(norms, p_sizes, k_total)
+  bins = reference_deft.pack(k, p_sizes, n)
+  gt = tf.constant(g)
+
+  def timeit(fn):
+    fn()  # trace
+    ts = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      fn()
+      ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+  with tf.device("/cpu:0"):
+    whole = tf.function(lambda: tf.math.top_k(tf.abs(gt), k_total).indices)
+    t_whole = timeit(lambda: whole().numpy())
+    per_replica = []
+    for b in range(n):
+      mine = [(s, z, min(z, k_total)) for x, (_, s, z) in enumerate(parts)
+              if bins[x] == b]
+
+      def sel(mine=mine):
+        return [tf.math.top_k(tf.abs(gt[s:s + z]), kk).indices
+                for s, z, kk in mine]
+      f = tf.function(sel)
+      per_replica.append(timeit(lambda f=f: [o.numpy() for o in f()]))
+  return t_whole, per_replica, k_total, len(parts)
+
+
+# ---------------------------------------------------------------------- main
+
+def main(argv):
+  del argv
+  quick = FLAGS.quick
+  steps = FLAGS.steps or (6 if quick else 40)
+  sim_steps = FLAGS.sim_steps or (2 if quick else 12)
+  repeats = FLAGS.repeats or (2 if quick else 7)
+  block = FLAGS.block or (5 if quick else 20)
+  start = time.time()
+  tf_dct.split_cpu(NUM_CPUS)
+  print(f"TensorFlow {tf.__version__}, {os.cpu_count()} cores, "
+        f"{NUM_CPUS} logical CPUs; quick={quick} steps={steps} "
+        f"sim_steps={sim_steps} repeats={repeats}x{block}")
+
+  data = make_data(FLAGS.batch_size * 16)
+  model = build_model()
+  weights = model.get_weights()
+  sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
+  n_g = sum(sizes)
+  print(f"variables {len(sizes)}, n_g = {n_g}, kernels "
+        f"{[tuple(v.shape) for v in model.trainable_variables if v.shape.rank == 2]}")
+  stream = gradient_stream(model, data, sizes)
+  g0 = stream(0, 0)
+  # lambda for HardThreshold: the 99th percentile of |g| of one replica's
+  # first gradient (whole model), i.e. ~1% on step 0 before any build-up.
+  lam = float(np.quantile(np.abs(g0), 1 - DENSITY))
+  print(f"HardThreshold lambda = {lam:.3e} (99th percentile of |g| at init)")
+
+  # (a), (b) real replicas, (d) timing.
+  runs = {}
+  real = {}
+  real_n = [int(v) for v in (FLAGS.real_n or (["4"] if quick else ["2", "4"]))]
+  for n in sorted(set(real_n) | {4}):
+    for name in NAMES:
+      run = Run(name, n, lam, data, weights)
+      run.steps(steps)
+      real[(name, n)] = run.stats()
+      print(f"[{time.time() - start:.0f}s] {name} n={n}: {real[(name, n)]}",
+            flush=True)
+      if n == 4:
+        runs[name] = run
+  print(f"[{time.time() - start:.0f}s] training runs done")
+
+  print("\n(a) bytes ratio dense / compressor, n = 4, "
+        f"totals over {steps} steps, all metadata counted")
+  print("| compressor | ring ratio (dense_bytes / bytes_sent) | payload ratio "
+        "(dense_payload_bytes / payload_bytes) | density |")
+  print("|---|---|---|---|")
+  for name in NAMES:
+    s = real[(name, 4)]
+    print(f"| {name} | {s['ring']:.2f}x | {s['payload']:.2f}x | "
+          f"{s['density']:.4f} |")
+
+  print(f"\n[{time.time() - start:.0f}s] (b) simulation ...")
+  sim = {n: sim_density(stream, n, sim_steps, lam, sizes) for n in (2, 4, 8, 16)}
+  print(f"\n(b) achieved density nnz(aggregate) / N (set density 0.01); real = "
+        f"tf_dct replicas over {steps} training steps, sim = numpy over "
+        f"{sim_steps} steps on frozen-weight gradients")
+  print("| compressor | real n=2 | real n=4 | sim n=2 | sim n=4 | sim n=8 | "
+        "sim n=16 |")
+  print("|---|---|---|---|---|---|---|")
+  for name in NAMES:
+    row = [f"{real[(name, n)]['density']:.4f}" if (name, n) in real else "-"
+           for n in (2, 4)]
+    row += ["1 (dense)" if name == "Dense" else f"{sim[n][name]:.4f}"
+            for n in (2, 4, 8, 16)]
+    print(f"| {name} | " + " | ".join(row) + " |")
+
+  print(f"\n[{time.time() - start:.0f}s] (c) selection ...")
+  sel_rep = 5 if quick else 15
+  t_whole, t_rep, k_total, parts = selection_times(
+      {"g": g0, "sizes": sizes}, 4, sel_rep)
+  slow = max(t_rep)
+  print(f"\n(c) selection, n = 4, n_g = {n_g}, k_total = {k_total}, "
+        f"{parts} DEFT partitions; isolated on /cpu:0, median of {sel_rep}")
+  print(f"whole-model tf.math.top_k: {t_whole * 1e3:.2f} ms")
+  print("DEFT per replica: " + ", ".join(f"{t * 1e3:.2f}" for t in t_rep)
+        + f" ms; slowest {slow * 1e3:.2f} ms -> speed-up {t_whole / slow:.2f}x "
+        f"(goal >= 4x)")
+  print(f"in-run selection_seconds per replica-step (4 replicas sharing 2 cores): "
+        f"DEFT {real[('DEFT', 4)]['sel_ms']:.2f} ms, "
+        f"TopK (per-layer) {real[('TopK', 4)]['sel_ms']:.2f} ms, "
+        f"DCTDP(L=1000) {real[('DCTDP(L=1000)', 4)]['sel_ms']:.2f} ms, "
+        f"DCTDP(L=1) {real[('DCTDP(L=1)', 4)]['sel_ms']:.2f} ms")
+
+  print(f"\n[{time.time() - start:.0f}s] (d) step time ...")
+  for run in runs.values():
+    run.steps(2)
+  times = {name: [] for name in NAMES}
+  for rep in range(repeats):
+    order = NAMES[rep % len(NAMES):] + NAMES[:rep % len(NAMES)]
+    for name in order:
+      t0 = time.perf_counter()
+      runs[name].steps(block)
+      times[name].append((time.perf_counter() - t0) / block)
+  base = np.median(times["Dense"])
+  print(f"\n(d) step time, n = 4, global batch {FLAGS.batch_size}, no network, "
+        f"median of {repeats} interleaved blocks of {block} steps")
+  print("| compressor | median ms/step | ratio to Dense |")
+  print("|---|---|---|")
+  for name in NAMES:
+    m = np.median(times[name])
+    print(f"| {name} | {m * 1e3:.2f} | {m / base:.3f} |")
+  print(f"\ntotal runtime {time.time() - start:.0f}s")
+  sys.stdout.flush()
+  os._exit(0)  # pylint: disable=protected-access
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,141 @@
+"""Convergence: DCTDP(0.99) and DEFT(0.01) train as well as Dense (issue 3).
+
+A small MLP (16 -> 256 ReLU -> 1) learns a fixed random teacher network on
+synthetic Gaussian inputs (plus a little label noise) over 4 logical CPU
+replicas of one `tf_dct.Replicator`. Each compressor is plugged in with
+`repl.wrap_optimizer(SGD, compression=...)`; the run is repeated with tf-keras
+`model.fit` and with a Keras 3 custom loop (`GradientTape` step driven by
+`repl.run(step_fn, input_fn)`). Same data, same initial weights, same batches
+for every compressor. The criterion is the issue's: the final loss (mean
+squared error over the whole training set, evaluated after training) of each
+compressor is within 1% of Dense's.
+
+Sizes: at sparsity 0.99 the 16 x 256 kernel sends 41 entries per replica and
+step, the 256-entry bias and 256 x 1 kernel 3 each. Error feedback delays
+updates instead of dropping them, so with enough steps and a modest learning
+rate the compressed runs catch up with Dense. The label noise (std 0.3, loss
+floor 0.09 against 1.1 at the start) keeps the task a regression with a floor
+that every run approaches; threshold_life=5 keeps tau tracking the shrinking
+gradients.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tf_dct
+from tf_dct import compression
+from tests import util
+
+IN, HIDDEN = 16, 256
+SAMPLES = 1024
+BATCH = 64          # global; 16 per replica
+EPOCHS = 40         # 16 steps per epoch -> 640 steps
+LR = 0.02
+NOISE = 0.3       # label noise std: the loss floor is NOISE**2
+TOLERANCE = 0.01    # the issue's "within 1% of Dense"
+
+
+def setUpModule():
+  util.setup_cpus()
+
+
+def _data():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(SAMPLES, IN)).astype(np.float32)
+  w1 = rng.normal(size=(IN, 32)) / np.sqrt(IN)
+  w2 = rng.normal(size=(32, 1)) / np.sqrt(32)
+  y = np.tanh(x @ w1) @ w2 * 2.0
+  y += NOISE * rng.normal(size=y.shape)
+  return x, y.astype(np.float32)
+
+
+def _initial_weights():
+  rng = np.random.default_rng(1)
+  return [rng.normal(size=(IN, HIDDEN)).astype(np.float32) / np.sqrt(IN),
+          np.zeros(HIDDEN, np.float32),
+          rng.normal(size=(HIDDEN, 1)).astype(np.float32) / np.sqrt(HIDDEN),
+          np.zeros(1, np.float32)]
+
+
+def _model(k):
+  model = k.Sequential([k.Input((IN,)), k.layers.Dense(HIDDEN, activation="relu"),
+                        k.layers.Dense(1)])
+  model.set_weights(_initial_weights())
+  return model
+
+
+def _compressors():
+  return {"dense": compression.Dense(),
+          "dctdp": compression.DCTDP(0.99, threshold_life=5),
+          "deft": compression.DEFT(0.01)}
+
+
+def _final_loss(model, x, y):
+  pred = np.asarray(model(x, training=False))
+  return float(np.mean((pred - y) ** 2))
+
+
+def _fit_tf_keras(compressor):
+  x, y = _data()
+  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(util.NUM_CPUS)])
+  with repl.scope():
+    model = _model(tf_keras)
+    opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(LR), compression=compressor)
+    model.compile(optimizer=opt, loss="mse")
+  model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+  return _final_loss(model, x, y)
+
+
+def _custom_loop_keras3(compressor):
+  x, y = _data()
+  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(util.NUM_CPUS)])
+  with repl.scope():
+    model = _model(keras)
+    opt = repl.wrap_optimizer(keras.optimizers.SGD(LR), compression=compressor)
+
+  def input_fn(ctx):
+    del ctx
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        BATCH, drop_remainder=True).repeat(EPOCHS)
+
+  def step_fn(batch):
+    xb, yb = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.square(model(xb, training=True) - yb)) / BATCH
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  for _ in range(EPOCHS * SAMPLES // BATCH):
+    repl.run(step_fn, input_fn)
+  return _final_loss(model, x, y)
+
+
+@pytest.mark.slow  # about 3 minutes on 2 cores: 6 trainings of 640 steps
+class ConvergenceTest(tf.test.TestCase):
+
+  def _check(self, train):
+    losses = {name: train(c) for name, c in _compressors().items()}
+    print(f"final losses ({train.__name__}): {losses}")
+    x, y = _data()
+    start = _final_loss(_model(tf_keras), x, y)
+    # Training did something: Dense learned most of the signal.
+    self.assertLess(losses["dense"], 0.2 * start)
+    for name in ("dctdp", "deft"):
+      self.assertLessEqual(
+          abs(losses[name] - losses["dense"]), TOLERANCE * losses["dense"],
+          msg=f"{name}: final loss {losses[name]:.6f} vs dense "
+              f"{losses['dense']:.6f} (start {start:.6f})")
+
+  def test_tf_keras_fit(self):
+    self._check(_fit_tf_keras)
+
+  def test_keras3_custom_loop(self):
+    self._check(_custom_loop_keras3)
+
+
+if __name__ == "__main__":
+  tf.test.main()
