@@ -114,12 +114,9 @@ class DlrmRestartTest(tf.test.TestCase):
                 "dct_split_bottom_1/forward_bytes"):
       self.assertIn(tag, tags)
     self.assertTrue(any(t.startswith("tf_dct/threshold/") for t in tags), tags)
-    # The accounting state should be checkpointed too (its step count would
-    # continue). It is created lazily inside the first traced step and its
-    # deferred restore is lost today: the resumed run counts from 0.
-    if resumed.optimizer.communication_stats()["steps"] != [c + 6 for c in counts]:
-      self.skipTest("tf_dct accounting state is not restored from a checkpoint yet "
-                    "(cumulative bytes restart at 0 after a resume)")
+    # The accounting state is checkpointed too: its step count continues.
+    self.assertEqual(resumed.optimizer.communication_stats()["steps"],
+                     [c + 6 for c in counts])
 
 
 class ModelsTest(tf.test.TestCase):

@@ -148,11 +148,13 @@ class Accounting(tf.Module):
     """Creates the state of one variable (and the overall state) if missing."""
     if not self.overall:
       zeros = tf.zeros([len(FIELDS)], tf.float64)
-      self.overall = {
+      # Filled in place: re-assigning a tracked attribute skips the deferred
+      # restore of a checkpoint read before this state existed.
+      self.overall.update({
           "last": compressor.per_replica_state(zeros, name="tf_dct_stats/last"),
           "total": compressor.per_replica_state(zeros, name="tf_dct_stats/total"),
           "steps": compressor.per_replica_state(tf.zeros([], tf.int64),
-                                                name="tf_dct_stats/steps")}
+                                                name="tf_dct_stats/steps")})
     if key not in self.per_variable:
       taken = set(self._names.values())
       self._names[key] = name if name not in taken else key
@@ -166,9 +168,10 @@ class Accounting(tf.Module):
         st["counters"] = compressor.per_replica_state(
             tf.zeros([len(counters)], tf.float64), name=f"{base}/counters")
       self.per_variable[key] = st
-    elif tuple(sorted(counters)) != self._counter_names[key]:
+    elif not set(counters) <= set(self._counter_names[key]):
       raise ValueError(f"variable {self._names[key]!r} reported counters "
-                       f"{sorted(counters)}, before {list(self._counter_names[key])}")
+                       f"{sorted(counters)}; declared: "
+                       f"{list(self._counter_names[key])}")
     return self.per_variable[key]
 
   def update(self, records: Mapping[str, Record], num_replicas: int,
@@ -187,7 +190,7 @@ class Accounting(tf.Module):
       if "counters" in st:
         names = self._counter_names[key]
         st["counters"].local().assign_add(tf.stack(
-            [tf.cast(rec.counters[c], tf.float64) for c in names]))
+            [tf.cast(rec.counters.get(c, 0), tf.float64) for c in names]))
     step_vec = tf.add_n(list(vectors.values()))
     self.overall["last"].local().assign(step_vec)
     self.overall["total"].local().assign_add(step_vec)

@@ -58,7 +58,6 @@ Conventions:
 
 from __future__ import annotations
 
-import re
 import threading
 import weakref
 from typing import Sequence
@@ -67,6 +66,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dct import _private
+from tf_dct.compression import base
 from tf_dct.compression import dct_dp
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.dense import Dense
@@ -159,8 +159,7 @@ class AsyncPush:
         if var.shape.num_elements() is None:
           raise ValueError(f"AsyncPush needs static shapes; {var.name!r} has "
                            f"shape {var.shape}")
-        base = re.sub(r"[^A-Za-z0-9_]+", "_", var.name.split(":")[0])
-        key = f"v{len(self._keys):03d}_{base}"
+        key = base.state_key(len(self._keys))
         self._keys[var.ref()] = key
         state = {}
         if self._sparse(var):

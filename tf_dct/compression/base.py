@@ -16,13 +16,22 @@ model), readable with `communication_stats()` and written as summaries.
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import Sequence
 
 import tensorflow as tf
 
 from tf_dct.compression import accounting
+
+
+def state_key(position: int) -> str:
+  """Checkpoint key of the state of the `position`-th variable first seen.
+
+  Keyed by order, not by name: Keras makes layer names unique per process
+  (`dense` then `dense_1` ...), so a model rebuilt in the same process to
+  restore a checkpoint would not find name-keyed state.
+  """
+  return f"v{position:03d}"
 
 
 class Compressor(tf.Module):
@@ -57,6 +66,11 @@ class Compressor(tf.Module):
     """Returns the per-replica state of one variable (default: none)."""
     del variable
     return {}
+
+  def counter_names(self, variable: tf.Variable) -> tuple[str, ...]:
+    """Names of the per-step counters `reduce` may report for `variable`."""
+    del variable
+    return ()
 
   def reduce(self, ctx: tf.distribute.ReplicaContext,
              grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
@@ -164,10 +178,12 @@ class Compressor(tf.Module):
       for var in variables:
         ref = var.ref()
         if ref not in self._keys:
-          base = re.sub(r"[^A-Za-z0-9_]+", "_", var.name.split(":")[0])
-          key = f"v{len(self._keys):03d}_{base}"
+          key = state_key(len(self._keys))
           with tf.init_scope():  # state is created eagerly, once, for all replicas
             self.state[key] = self.create_state(var)
+            if self._replicator is not None:  # statistics too, so they restore
+              self.accounting.ensure(self, key, var.name.split(":")[0],
+                                     self.counter_names(var))
           self._keys[ref] = key  # only once its state exists
       return [self.state[self._keys[v.ref()]] for v in variables]
 

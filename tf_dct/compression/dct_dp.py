@@ -210,6 +210,12 @@ class DCTDP(Compressor):
     n = variable.shape.num_elements()
     return n == 0 or n < self.min_size
 
+  def counter_names(self, variable):
+    if self._is_dense(variable):
+      return ()
+    guard = ("early_refreshes",) if self.density_band is not None else ()
+    return ("overflow", "refreshes") + guard
+
   def create_state(self, variable):
     n = self.check_variable(variable, sparse_wire.MAX_SIZE - 1)
     if self._is_dense(variable):

@@ -113,6 +113,9 @@ class ErrorFeedbackCompressor(Compressor):
     n = variable.shape.num_elements()
     return n == 0 or n < self.min_size
 
+  def counter_names(self, variable):
+    return () if self._is_dense(variable) else ("overflow",)
+
   def create_state(self, variable):
     n = self.check_variable(variable, sparse_wire.MAX_SIZE - 1)
     if self._is_dense(variable):

@@ -7,12 +7,14 @@ gathers the incoming gradient at the same k indices, sends that compact
 gradient back and the source densifies it. The result and the gradient are bit
 for bit those of `dct_mp(x, sparsity)` (dropped entries are +0).
 
-Wire format per row: k values in x's dtype plus k indices in the smallest
-integer type that holds d - 1: uint8 for d <= 256, int16 for d <= 32768, int32
-above. The receiver casts indices back to int32 for gather/scatter; the narrow
-type is what crosses the boundary. All shapes are static in d and k, so the
-op compiles with `jit_compile=True` (on one device: XLA compiles a cluster for
-a single device).
+Wire format per row: k values in x's dtype plus k column indices, either
+byte-aligned (uint8 for d <= 256, int16 for d <= 32768, int32 above) or
+bit-packed (ceil(log2 d) bits each in int32 words), whichever is smaller; see
+`tf_dct.ops.index_wire`. The receiver unpacks (or casts) the indices to int32
+for gather/scatter on its own device; only the encoded form crosses. All
+shapes are static in d and k (a static input shape also keeps the shape
+tensor off the wire), so the op compiles with `jit_compile=True` (on one
+device: XLA compiles a cluster for a single device).
 
 Backward placement. This op pins its own backward ops (gather on the target,
 densify on the source). The backward ops of the layers after the split are
@@ -31,22 +33,20 @@ import tensorflow as tf
 
 from tf_dct.ops.dct_mp import check_input
 from tf_dct.ops.dct_mp import top_k_indices
+from tf_dct.ops.index_wire import decode_indices
+from tf_dct.ops.index_wire import encode_indices
+from tf_dct.ops.index_wire import index_bytes_per_row
+from tf_dct.ops.index_wire import index_dtype_for  # pylint: disable=unused-import
 
 DeviceLike = Union[str, Callable[[], ContextManager], None]
 
 
-def index_dtype_for(d: int) -> tf.DType:
-  """The narrowest index type on the wire for a last axis of size d."""
-  if d <= 256:
-    return tf.uint8
-  if d <= 32768:
-    return tf.int16
-  return tf.int32
+def compact_bytes(rows, d: int, k: int, dtype: tf.DType):
+  """Bytes of the compact form of `rows` rows: k values plus encoded indices.
 
-
-def compact_bytes(rows: int, d: int, k: int, dtype: tf.DType) -> int:
-  """Bytes of the compact form of `rows` rows: values plus indices."""
-  return rows * k * (tf.as_dtype(dtype).size + index_dtype_for(d).size)
+  `rows` may be an int or an integer tensor; the result has its type.
+  """
+  return rows * (k * tf.as_dtype(dtype).size + index_bytes_per_row(d, k))
 
 
 def dense_bytes(rows: int, d: int, dtype: tf.DType) -> int:
@@ -99,7 +99,6 @@ def dct_mp_transfer(x, sparsity: float, target_device: DeviceLike,
     X ⊙ M on the target device, the same values as `dct_mp(x, sparsity)`.
   """
   x, d, k = check_input(x, sparsity, "dct_mp_transfer")
-  wire_dtype = index_dtype_for(d)
   # A static shape keeps the shape tensor itself off the wire.
   shape = x.shape if x.shape.is_fully_defined() else tf.shape(x)
 
@@ -111,7 +110,7 @@ def dct_mp_transfer(x, sparsity: float, target_device: DeviceLike,
   def encode(x):
     x2 = tf.reshape(x, [-1, d])
     values, indices = compact(x2, k)  # DCT Algorithm 2 lines 4-9
-    wire_indices = tf.cast(indices, wire_dtype)
+    wire_indices = encode_indices(indices, d)  # bit-packed or narrow ints
     source = wire_indices.device
 
     def grad(d_values, unused_d_indices):
@@ -122,8 +121,9 @@ def dct_mp_transfer(x, sparsity: float, target_device: DeviceLike,
 
   @tf.custom_gradient
   def decode(values, wire_indices):
-    # DCT Algorithm 2 line 11: values and indices cross instead of X ⊙ M.
-    received = tf.cast(wire_indices, tf.int32)
+    # DCT Algorithm 2 line 11: values and indices cross instead of X ⊙ M;
+    # the indices are decoded here, on the receiving device.
+    received = decode_indices(wire_indices, d, k)
     y = tf.reshape(densify(values, received, d), shape, name="densify")
     target = y.device
 

@@ -4,7 +4,8 @@ The forward activation crosses dense (identity). Backward, the target adds
 the residual E to the incoming gradient, G = dY + E, keeps the k = d -
 floor(d * sparsity) largest |G| per row (`tf.math.top_k`, ties to the lower
 index), sends those values and indices to the source and stores the rest,
-E <- G - C(G).
+E <- G - C(G). The indices cross in the encoding of `tf_dct.ops.index_wire`
+(bit-packed or byte-aligned, whichever is smaller), as in `dct_mp_transfer`.
 
 The residual is per row, [N, d], for a fixed number of rows N (the per-replica
 batch times any middle axes): error feedback needs an error of the same shape
@@ -18,6 +19,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_dct.ops import compact_transfer
+from tf_dct.ops import index_wire
 from tf_dct.ops.dct_mp import check_input
 
 
@@ -48,7 +50,6 @@ def xgrad_topk(x, sparsity: float, residual: tf.Variable,
         f"xgrad_topk: the residual has shape {tuple(residual.shape)} but x "
         f"{x.shape} has {rows} rows of d = {d}; the number of rows "
         "(per-replica batch, times middle axes) must be static and match")
-  wire_dtype = compact_transfer.index_dtype_for(d)
 
   # A static shape keeps the shape tensor itself off the wire.
   shape = x.shape if x.shape.is_fully_defined() else tf.shape(x)
@@ -67,10 +68,11 @@ def xgrad_topk(x, sparsity: float, residual: tf.Variable,
         values, indices = compact_transfer.compact(g, k)
         kept = compact_transfer.densify(values, indices, d)
         update = residual.assign(tf.cast(g - kept, residual.dtype))
-        wire_indices = tf.cast(indices, wire_dtype)
+        wire_indices = index_wire.encode_indices(indices, d)
       with compact_transfer.device_scope(source or None), \
           tf.control_dependencies([update]):
-        dx = compact_transfer.densify(values, tf.cast(wire_indices, tf.int32), d)
+        received = index_wire.decode_indices(wire_indices, d, k)
+        dx = compact_transfer.densify(values, received, d)
         return tf.reshape(dx, shape)
 
     return y, grad
