@@ -34,6 +34,23 @@ LR = 0.1
 STATE_SHAPE = (3,)
 
 
+CONSERVATION_STEPS = 200  # steps of the conservation section
+
+
+def conservation_compressors(compression) -> dict:
+  """Name -> factory of every compressor the conservation section runs."""
+  return {
+      "Dense": compression.Dense,
+      "DCTDP": lambda: compression.DCTDP(sparsity=0.8, threshold_life=7,
+                                         capacity_factor=1.5),
+      "DEFT": lambda: compression.DEFT(density=0.2),
+      "TopK": lambda: compression.TopK(density=0.25, min_size=4),
+      "CLTK": lambda: compression.CLTK(density=0.25),
+      "HardThreshold": lambda: compression.HardThreshold(1e-3,
+                                                         capacity_density=0.25),
+  }
+
+
 # --- data, shared with the test -------------------------------------------------
 
 
@@ -338,40 +355,6 @@ def main() -> None:
           type(optimizer).__name__)
     return results
 
-  @section("dct_dp_conservation")
-  def _():
-    # SGD(lr=1) with DCT-DP across the 2 worker processes: what was applied
-    # plus what every replica still holds back equals every gradient seen.
-    from tf_dct.compression import DCTDP  # pylint: disable=g-import-not-at-top
-    compressor = DCTDP(sparsity=0.5, threshold_life=2)
-    with repl.scope():
-      model = tf_keras_model()
-      optimizer = repl.wrap_optimizer(tf_keras.optimizers.SGD(1.0),
-                                      compression=compressor)
-    variables = model.trainable_variables
-    seen = [repl.per_replica_state(tf.zeros(v.shape), name=f"seen_{i}")
-            for i, v in enumerate(variables)]
-
-    def step_fn(batch):
-      x, y = batch
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tf.square(model(x, training=True) - y)) / GLOBAL_BATCH
-      grads = tape.gradient(loss, variables)
-      for state, grad in zip(seen, grads):
-        state.local().assign_add(grad)
-      optimizer.apply_gradients(zip(grads, variables))
-      return loss
-
-    input_fn = train_input_fn()
-    for _ in range(TRAIN_STEPS):
-      repl.run(step_fn, input_fn)
-    stats = compressor.communication_stats()
-    return {"kernel": variables[0].numpy(), "bias": variables[1].numpy(),
-            "residual": [compressor.state_for(v)["residual"].numpy()[0]
-                         for v in variables],
-            "seen": [s.numpy()[0] for s in seen],
-            "density": stats["last"]["density"]}
-
   @section("keras3_custom_loop")
   def _():
     import keras  # pylint: disable=g-import-not-at-top
@@ -483,6 +466,20 @@ def main() -> None:
         repl2.run(step_fn, input_fn))] for _ in range(STEPS)]
     return {"input_fn_ids": ids, "steps": steps,
             "first_local_replica_id": repl2.first_local_replica_id}
+
+  # -- conservation with a checkpoint, every compressor (PER_REPLICA input) -------
+
+  @section("conservation")
+  def _():
+    import conservation  # pylint: disable=g-import-not-at-top
+    from tf_dct import compression  # pylint: disable=g-import-not-at-top
+    repl3 = tf_dct.MultiWorkerReplicator(input_replication=tf_dct.PER_REPLICA)
+    results = {}
+    for name, make in conservation_compressors(compression).items():
+      prefix = pathlib.Path(args.result_dir) / f"ckpt_{name}_{index}" / "ckpt"
+      results[name] = conservation.run(repl3, make(), CONSERVATION_STEPS,
+                                       str(prefix))
+    return results
 
   out["done"] = True
   flush()

@@ -28,6 +28,8 @@ import multi_worker_script as mws  # pylint: disable=g-import-not-at-top,wrong-i
 import multi_worker_util  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct import compression  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests import conservation  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct.multi_worker import validate_tf_config  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 NUM_WORKERS = mws.NUM_WORKERS
@@ -252,20 +254,29 @@ class MultiWorkerTest(tf.test.TestCase):
       # The wrapped class keeps the base's name (serialization round-trips).
       self.assertEqual(s["wrapped_class"], "SGD")
 
-  def test_dct_dp_conserves_gradient_mass_across_workers(self):
-    sections = self.section("dct_dp_conservation")
+  def test_every_compressor_conserves_mass_across_a_checkpoint(self):
+    # 200 steps of SGD(lr=1) on the 2 worker processes, checkpoint + scramble
+    # + restore at step 100: applied + what both workers hold == all gradients.
+    sections = self.section("conservation")
     self.assertLen(sections, 2)
-    kernel0, bias0 = mws.initial_weights()
-    for name, w0, i in (("kernel", kernel0, 0), ("bias", bias0, 1)):
-      # Both workers applied the same aggregated updates.
-      self.assertAllEqual(np.asarray(sections[0][name]), np.asarray(sections[1][name]))
-      applied = w0 - np.asarray(sections[0][name])
-      held = sum(np.asarray(s["residual"][i]) for s in sections)
-      fed = sum(np.asarray(s["seen"][i]) for s in sections)
-      self.assertGreater(np.abs(held).max(), 0.0)  # something was held back
-      self.assertAllClose(applied + held, fed, atol=1e-5 * np.abs(fed).max(), rtol=0)
-    for s in sections:
-      self.assertLess(max(s["density"]), 1.0)
+    names = list(mws.conservation_compressors(compression))
+    for name in names:
+      runs = [s[name] for s in sections]
+      for run in runs:
+        self.assertTrue(run["scrambled"], msg=name)
+        self.assertTrue(run["restored"], msg=f"{name}: state not restored exactly")
+      for i in range(len(runs[0]["w"])):
+        # Both workers applied the same aggregated updates.
+        self.assertAllEqual(runs[0]["w"][i], runs[1]["w"][i], msg=name)
+        conservation.assert_conserved(
+            self, runs[0]["w0"][i], runs[0]["w"][i],
+            [r for run in runs for r in run["residual"][i]],
+            [g for run in runs for g in run["seen"][i]], f"{name} w{i}")
+        if runs[0]["steps"][i] is not None:
+          self.assertEqual(runs[0]["steps"][i], [mws.CONSERVATION_STEPS])
+      if name != "Dense":  # something was held back
+        held = np.concatenate([np.ravel(r) for run in runs for r in run["residual"][0]])
+        self.assertGreater(np.abs(held).max(), 0.0, msg=name)
 
   def test_keras3_custom_loop_wrapped_equals_plain(self):
     self.check_custom_loop("keras3_custom_loop")
@@ -309,6 +320,59 @@ class MultiWorkerTest(tf.test.TestCase):
       self.assertEqual(state_keys,
                        [f"st/_values/replica_{r}/.ATTRIBUTES/VARIABLE_VALUE"])
     self.assertNotAllEqual(sections[0]["restored"], sections[1]["restored"])
+
+
+class MixedConfigTest(tf.test.TestCase):
+  """Workers set up differently fail fast, each naming what differs."""
+
+  def test_mismatched_replicator_and_compressor_settings_fail_fast(self):
+    script = pathlib.Path(self.get_temp_dir()) / "mixed.py"
+    script.write_text(textwrap.dedent("""\
+        import os
+        import multi_worker_util as u
+        args = u.parse_worker_args()
+        import tf_keras
+        import tf_dct
+        from tf_dct import compression
+        i = u.task_index()
+        out = {}
+        try:  # worker 1 compiles with XLA, worker 0 does not
+          tf_dct.MultiWorkerReplicator(jit_compile=(i == 1))
+          out["replicator"] = None
+        except ValueError as e:
+          out["replicator"] = str(e)
+        repl = tf_dct.MultiWorkerReplicator()
+        with repl.scope():
+          opt = tf_keras.optimizers.SGD(0.1)
+          try:
+            repl.wrap_optimizer(opt, compression=compression.DCTDP(
+                sparsity=0.9 if i == 0 else 0.99))
+            out["wrap"] = None
+          except ValueError as e:
+            out["wrap"] = str(e)
+          out["left_unwrapped"] = not hasattr(opt, "_tf_dct_compressor")
+          same = tf_keras.optimizers.SGD(0.1)
+          repl.wrap_optimizer(same, compression=compression.DCTDP(sparsity=0.9))
+          out["same_wrapped"] = hasattr(same, "_tf_dct_compressor")
+        u.write_result(args.result_dir, out)
+        os._exit(0)
+        """))
+    # A hang would hit the timeout (and fail); the check itself takes
+    # seconds once both workers are up.
+    results = multi_worker_util.run_workers(
+        script, num_workers=2, timeout=120,
+        env={"PYTHONPATH": str(multi_worker_util.TESTS_DIR)})
+    multi_worker_util.check_success(results)
+    for r in results:
+      out = r.result
+      self.assertRegex(out["replicator"],
+                       r"workers disagree on replicator settings \(jit_compile\)")
+      self.assertIn("worker 0: jit_compile=False; worker 1: jit_compile=True",
+                    out["replicator"])
+      self.assertRegex(out["wrap"], r"disagree on wrap_optimizer_1 settings "
+                       r"\(sparsity\).*worker 0: sparsity=0.9; worker 1: sparsity=0.99")
+      self.assertTrue(out["left_unwrapped"])
+      self.assertTrue(out["same_wrapped"])
 
 
 class TfConfigValidationTest(tf.test.TestCase):

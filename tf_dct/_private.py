@@ -115,6 +115,20 @@ def keras3_optimizer_base():
   return keras_tf_optimizer.TFOptimizer
 
 
+def coordination_key_value_store():
+  """`(set(key, value), get(key, timeout_in_ms))` of the coordination service.
+
+  Multi-worker strategies start TensorFlow's coordination service; its
+  key-value store is reachable through the private eager context. Returns
+  None when no service runs (one process).
+  """
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  ctx = context.context()
+  if ctx.coordination_service is None:
+    return None
+  return ctx.set_config_key_value, ctx.get_config_key_value
+
+
 def check() -> None:
   """Raises AssertionError if a private API we rely on has drifted."""
   assert isinstance(mirrored_strategy.MirroredStrategy._collective_key_base, int), (
@@ -143,6 +157,15 @@ def check() -> None:
       "PerWorkerValues no longer keeps its RemoteValues in _values")
   assert "_num_workers" in inspect.getsource(pss.ParameterServerStrategyV2._connect_to_cluster), (
       "ParameterServerStrategyV2._num_workers is gone")
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  for name, params in (("set_config_key_value", ["self", "key", "value"]),
+                       ("get_config_key_value", ["self", "key", "timeout_in_ms"])):
+    fn = getattr(context.Context, name, None)
+    assert callable(fn), f"eager Context.{name} is gone"
+    assert list(inspect.signature(fn).parameters) == params, (
+        f"eager Context.{name} signature changed")
+  assert hasattr(context.Context, "coordination_service"), (
+      "eager Context.coordination_service is gone")
   base = keras3_optimizer_base()
   method = getattr(base, KERAS3_AGGREGATION_METHOD, None)
   assert callable(method), f"Keras 3 TFOptimizer.{KERAS3_AGGREGATION_METHOD} is gone"

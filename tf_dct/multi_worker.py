@@ -149,9 +149,58 @@ class MultiWorkerReplicator(ReplicatorMixin,
     if cluster_resolver is None:
       validate_tf_config()
     self._init_replicator(None, input_replication, input_split_fn, jit_compile)
-    _private.set_collective_key_base(self, _private.next_collective_key_base())
+    self._tf_dct_key_base = _private.next_collective_key_base()
+    _private.set_collective_key_base(self, self._tf_dct_key_base)
     super().__init__(cluster_resolver=cluster_resolver,
                      communication_options=communication_options)
+    self._agree("replicator", {
+        "replicas_per_worker": len(self.replica_devices),
+        "num_replicas": self.num_replicas,
+        "num_devices_per_replica": num_devices_per_replica,
+        "input_replication": str(input_replication),
+        "jit_compile": bool(jit_compile)})
+
+  # Seconds to wait for a peer's configuration (it may still be importing).
+  AGREE_TIMEOUT_SECONDS = 120.0
+
+  def _agree(self, topic: str, config: dict) -> None:
+    """Compares `config` with every worker's through the coordination service.
+
+    Collectives of workers set up differently (other compressor settings,
+    replica counts, XLA) would hang or mix unlike buffers; this fails fast
+    instead, on every worker, naming the settings that differ. Keys are
+    unique per replicator instance (its collective key base, the same on
+    every worker) and topic.
+    """
+    store = _private.coordination_key_value_store()
+    if store is None:
+      return
+    put, get = store
+    base = self._tf_dct_key_base
+    mine = json.dumps(config, sort_keys=True, default=str)
+    put(f"tf_dct/agree/{base}/{topic}/{self.worker_index}", mine)
+    num_workers = self.num_replicas // len(self.replica_devices)
+    timeout = self.collective_timeout_seconds or self.AGREE_TIMEOUT_SECONDS
+    theirs = {}
+    for w in range(num_workers):
+      key = f"tf_dct/agree/{base}/{topic}/{w}"
+      try:
+        theirs[w] = json.loads(get(key, int(timeout * 1000)))
+      except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
+        raise PeerFailureError(
+            f"MultiWorkerReplicator (worker {self.worker_index}): worker {w} "
+            f"did not report its {topic} settings within {timeout:g} s; is it "
+            "running the same program?", timeout, e) from e
+    differ = sorted({k for c in theirs.values() for k in set(c) | set(config)
+                     if any(c.get(k) != config.get(k) for c in theirs.values())})
+    if differ:
+      per_worker = "; ".join(
+          f"worker {w}: " + ", ".join(f"{k}={c.get(k)!r}" for k in differ)
+          for w, c in sorted(theirs.items()))
+      raise ValueError(
+          f"MultiWorkerReplicator: the workers disagree on {topic} settings "
+          f"({', '.join(differ)}): {per_worker}. Every worker must run with "
+          "the same settings.")
 
   @property
   def worker_index(self) -> int:

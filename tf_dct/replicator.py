@@ -228,7 +228,15 @@ class ReplicatorMixin:
     from tf_dct import keras as keras_adapters  # pylint: disable=g-import-not-at-top
     from tf_dct.compression import Dense  # pylint: disable=g-import-not-at-top
     compressor = Dense() if compression is None else compression
+    if hasattr(compressor, "config"):
+      self._wrap_count = getattr(self, "_wrap_count", 0) + 1
+      self._agree(f"wrap_optimizer_{self._wrap_count}",
+                  {"optimizer": type(optimizer).__name__, **compressor.config()})
     return keras_adapters.wrap_optimizer(optimizer, compressor, self)
+
+  def _agree(self, topic: str, config: dict) -> None:
+    """Raises unless every worker has the same `config` (one process: no-op)."""
+    del topic, config
 
 
 class Replicator(ReplicatorMixin, tf.distribute.MirroredStrategy):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
-import tf_keras
 
 import tf_dct
+from tests import conservation
 
 SHAPES = [(6, 5), (17,)]
 
@@ -121,76 +121,27 @@ def achieved_density(compressors, replicas: int, n: int = 400,
   return [np.count_nonzero(o.numpy()) / n for o in out]
 
 
-def check_conservation(test, compressor, steps: int = 200):
-  """SGD(lr=1) on 4 replicas: w0 - w_T + sum_r E_T == sum_t sum_r g_t.
+def check_conservation(test, compressor, steps: int = 200,
+                       layers=conservation.ONE_LAYER):
+  """SGD(lr=1) on 4 replicas, checkpoint half-way (tests/conservation.py).
 
-  The model is one tanh layer (kernel 4x3, bias 3). A checkpoint is saved
-  half-way, the compressor's state is scrambled and restored. Returns the
-  final residuals per variable (per-replica lists).
+  Checks w0 - w_T + sum_r E_T == sum_t sum_r g_t per variable, that the
+  restore brought back every piece of scrambled state exactly, and the step
+  counters. Returns the final residuals per variable (per-replica lists).
   """
   replicas = 4
   repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
                            input_replication=tf_dct.PER_REPLICA)
-  with repl.scope():
-    model = tf_keras.Sequential([tf_keras.Input((4,)),
-                                 tf_keras.layers.Dense(3, activation="tanh")])
-    opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(1.0),
-                              compression=compressor)
-  variables = model.trainable_variables
-  w0 = [w.numpy() for w in variables]
-  seen = [repl.per_replica_state(tf.zeros_like(w), name=f"seen{i}")
-          for i, w in enumerate(variables)]
-
-  def input_fn(replica_id):
-    rng = np.random.default_rng(replica_id)
-    x = rng.normal(size=(64, 4)).astype(np.float32)
-    y = np.sin(x[:, :3] + x[:, 1:]).astype(np.float32)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
-
-  def step_fn(batch):
-    x, y = batch
-    with tf.GradientTape() as tape:
-      loss = 0.02 * tf.reduce_mean(tf.square(model(x) - y)) / replicas
-    grads = tape.gradient(loss, variables)
-    for s, g in zip(seen, grads):
-      s.local().assign_add(g)
-    opt.apply_gradients(zip(grads, variables))
-
-  def states():
-    return [s for v in variables for s in compressor.state_for(v).values()]
-
-  for _ in range(steps // 2):
-    repl.run(step_fn, input_fn)
-  ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
-  path = ckpt.save(test.create_tempdir().full_path + "/ckpt")
-  saved = [s.numpy() for s in states()]
-  rng = np.random.default_rng(5)
-  for s in states():
-    values = s.numpy()
-    s.assign_all([(rng.normal(size=v.shape) * 3).astype(v.dtype)
-                  for v in values])
-  test.assertNotAllClose(saved[0], states()[0].numpy())
-  ckpt.restore(path).assert_existing_objects_matched()
-  for want, s in zip(saved, states()):
-    for w, got in zip(want, s.numpy()):
-      test.assertAllEqual(got, w)
-  for _ in range(steps - steps // 2):
-    repl.run(step_fn, input_fn)
-
-  residuals = []
-  for i, var in enumerate(variables):
-    st = compressor.state_for(var)
-    res = st["residual"].numpy() if st else [np.zeros(var.shape)] * replicas
-    residuals.append(res)
-    lhs = w0[i] - var.numpy() + sum(res)
-    rhs = sum(seen[i].numpy())
-    scale = np.abs(rhs).max()
-    test.assertGreater(scale, 1e-3)
-    test.assertAllClose(lhs, rhs, atol=1e-5 * scale, rtol=0,
-                        msg=f"conservation of {var.name}")
-    if st:
-      test.assertAllEqual(st["step"].numpy(), [steps] * replicas)
-  return residuals
+  out = conservation.run(repl, compressor, steps,
+                         test.create_tempdir().full_path + "/ckpt", layers)
+  test.assertTrue(out["scrambled"])
+  test.assertTrue(out["restored"], "a state variable was not restored exactly")
+  for i in range(len(out["w"])):
+    conservation.assert_conserved(test, out["w0"][i], out["w"][i],
+                                  out["residual"][i], out["seen"][i], f"w{i}")
+    if out["steps"][i] is not None:
+      test.assertAllEqual(out["steps"][i], [steps] * replicas)
+  return [np.asarray(r) for r in out["residual"]]
 
 
 def check_non_finite(test, compressor, message: str):

@@ -3,12 +3,13 @@
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
-import tf_keras
 
 import tf_dct
 from tf_dct.compression import DEFT
 from tf_dct.compression import deft
+from tests import conservation
 from tests import util
+from tests.compression import harness
 from tests.compression import reference_deft as reference
 
 
@@ -231,67 +232,14 @@ class ConservationTest(tf.test.TestCase):
   """SGD(lr=1): w0 - w_T + sum_r E_T == sum_t sum_r g_t (nothing is lost)."""
 
   def test_conservation_with_checkpoint(self):
-    replicas, steps = 4, 200
-    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
-                             input_replication=tf_dct.PER_REPLICA)
     compressor = DEFT(density=0.1)
-    with repl.scope():
-      model = tf_keras.Sequential([tf_keras.Input((4,)),
-                                   tf_keras.layers.Dense(8, activation="tanh"),
-                                   tf_keras.layers.Dense(1)])
-      opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(1.0),
-                                compression=compressor)
-    w0 = [w.numpy() for w in model.trainable_variables]
-    seen = [repl.per_replica_state(tf.zeros_like(w), name=f"seen{i}")
-            for i, w in enumerate(model.trainable_variables)]
-
-    def input_fn(replica_id):
-      rng = np.random.default_rng(replica_id)
-      x = rng.normal(size=(64, 4)).astype(np.float32)
-      y = (np.sin(x.sum(1, keepdims=True))).astype(np.float32)
-      return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
-
-    def step_fn(batch):
-      x, y = batch
-      with tf.GradientTape() as tape:
-        loss = 0.02 * tf.reduce_mean(tf.square(model(x) - y)) / replicas
-      grads = tape.gradient(loss, model.trainable_variables)
-      for s, g in zip(seen, grads):
-        s.local().assign_add(g)
-      opt.apply_gradients(zip(grads, model.trainable_variables))
-      return loss
-
-    def residuals():
-      return [compressor.state_for(v)["residual"]
-              for v in model.trainable_variables]
-
-    for _ in range(steps // 2):
-      repl.run(step_fn, input_fn)
-    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
-    path = ckpt.save(self.create_tempdir().full_path + "/ckpt")
-    saved = [r.numpy() for r in residuals()]
-    rng = np.random.default_rng(5)
-    for r in residuals():
-      r.assign_all([rng.normal(size=v.shape).astype(v.dtype) for v in r.numpy()])
-    ckpt.restore(path).assert_existing_objects_matched()
-    for want, r in zip(saved, residuals()):
-      for w, got in zip(want, r.numpy()):
-        self.assertAllEqual(got, w)
-    for _ in range(steps - steps // 2):
-      repl.run(step_fn, input_fn)
-
-    for i, var in enumerate(model.trainable_variables):
-      lhs = w0[i] - var.numpy() + sum(residuals()[i].numpy())
-      rhs = sum(seen[i].numpy())
-      scale = np.abs(rhs).max()
-      self.assertGreater(scale, 1e-3)
-      self.assertAllClose(lhs, rhs, atol=1e-5 * scale, rtol=0)
+    residuals = harness.check_conservation(self, compressor,
+                                           layers=conservation.TWO_LAYERS)
     # Replicas held back different errors (per-replica state), and the union
     # is about k_total = floor(49 * 0.1) = 4 entries (P = 7 partitions).
-    res = residuals()[0].numpy()
-    self.assertNotAllClose(res[0], res[1])
-    sent = sum(int(compressor.state_for(v)["sent"].numpy()[0])
-               for v in model.trainable_variables)
+    self.assertNotAllClose(residuals[0][0], residuals[0][1])
+    sent = sum(int(st["sent"].numpy()[0])
+               for st in compressor.state.values() if st)
     self.assertBetween(sent, 4, 4 + 6)
 
 

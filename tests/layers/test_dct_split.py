@@ -11,6 +11,7 @@ import tf_keras
 from tf_dct import layers
 from tf_dct import ops
 from tests import util
+from tests.ops import crossing
 from tests.ops import reference
 
 FLAVOURS = (("tf_keras", layers.DCTSplit), ("keras3", layers.Keras3DCTSplit))
@@ -162,8 +163,40 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
       layer(tf.ones([2, 16], tf.int32), training=True)
     layer(tf.ones([2, 16]), training=True)
     self.assertEqual(layer.bytes_stats()["calls"], 1)  # the failed call left no trace
-    with self.assertRaisesRegex(ValueError, "target_logical_device needs a tf_dct Replicator"):
-      cls(0.9, target_logical_device=1)(tf.ones([2, 16]), training=True)
+    # target_logical_device outside a tf_dct replica runs in place, and an
+    # index past the replicator's devices is an error: test_split_replicas.py.
+
+  @parameterized.parameters("dct", "gaussian_sketch", "xgrad_topk")
+  def test_bytes_stats_are_the_bytes_that_cross(self, mode):
+    # d = 512, sparsity 0.95: k = 26; the indices cross bit-packed (8 words).
+    layer = layers.DCTSplit(0.95, mode=mode, target_device="/cpu:1")
+    layer.build((4, 512))
+    if mode == "xgrad_topk":  # the residual lives where the backward uses it
+      self.assertIn("CPU:1", layer.residual.device)
+    with tf.device("/cpu:1"):
+      w = tf.Variable(tf.ones([512, 1]))
+
+    @tf.function
+    def step(x):
+      with tf.device("/cpu:0"):
+        y = layer(tf.nn.relu(x), training=True)
+        with tf.device("/cpu:1"):
+          loss = tf.reduce_sum(tf.matmul(y, w))
+        return tf.gradients(loss, x)[0]  # keeps backward ops on their device
+
+    x = _x((4, 512))
+    edges = crossing.crossing(step.get_concrete_function(x).graph)
+    step(x)
+    stats = layer.bytes_stats()
+    self.assertEqual(crossing.bytes_to(edges, "CPU:1"), stats["forward_bytes"])
+    self.assertEqual(crossing.bytes_to(edges, "CPU:0"), stats["backward_bytes"])
+    compact = 4 * (26 * 4 + 8 * 4)
+    self.assertEqual((stats["forward_bytes"], stats["backward_bytes"]), {
+        "dct": (compact, 4 * 26 * 4),
+        "gaussian_sketch": (4 * 26 * 4, 4 * 512 * 4),
+        "xgrad_topk": (4 * 512 * 4, compact)}[mode])
+    if mode == "dct":  # DCT §2.2 at eta = 0.95: >= 15x, all metadata counted
+      self.assertGreaterEqual(stats["dense_bytes"] / stats["forward_bytes"], 15)
 
   def test_xgrad_topk_needs_static_rows(self):
     model_input = tf_keras.Input((16,))

@@ -7,6 +7,7 @@ import tensorflow as tf
 import tf_dct
 from tf_dct import ops
 from tests import util
+from tests.ops import crossing
 
 
 def setUpModule():
@@ -56,35 +57,41 @@ class CompactTransferTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(ops.index_dtype_for(257), tf.int16)
     self.assertEqual(ops.index_dtype_for(32768), tf.int16)
     self.assertEqual(ops.index_dtype_for(32769), tf.int32)
-    self.assertEqual(ops.compact_bytes(256, 512, 26, tf.float32), 256 * 26 * 6)
+    # 26 float32 values + 26 indices bit-packed in 8 int32 words per row.
+    self.assertEqual(ops.compact_bytes(256, 512, 26, tf.float32), 256 * (26 * 4 + 32))
+    self.assertEqual(ops.compact_bytes(256, 64, 7, tf.float32), 256 * 7 * 5)  # uint8
     self.assertEqual(ops.dense_bytes(256, 512, tf.float32), 256 * 512 * 4)
 
-  def test_only_compact_tensors_cross_the_boundary(self):
-    w = tf.Variable(tf.ones([64, 3]))
+  @parameterized.parameters(
+      # d = 64, k = 7: uint8 indices (7 bytes a row; packed would take 8).
+      (64, {(tf.float32, (4, 7), "CPU:1"), (tf.uint8, (4, 7), "CPU:1"),
+            (tf.float32, (4, 7), "CPU:0")}),
+      # d = 512, k = 26: 9-bit indices packed in 8 int32 words a row.
+      (512, {(tf.float32, (4, 26), "CPU:1"), (tf.int32, (4, 8), "CPU:1"),
+             (tf.float32, (4, 26), "CPU:0")}))
+  def test_only_compact_tensors_cross_the_boundary(self, d, want):
+    w = tf.Variable(tf.ones([d, 3]))
+    sparsity = 0.9 if d == 64 else 0.95
 
     @tf.function
     def step(x):
       with tf.device("/cpu:0"):
         h = tf.nn.relu(x)
-        y = ops.dct_mp_transfer(h, 0.9, "/cpu:1")
+        y = ops.dct_mp_transfer(h, sparsity, "/cpu:1")
         with tf.device("/cpu:1"):
           loss = tf.reduce_sum(tf.square(tf.matmul(y, w)))
         # tf.gradients colocates each backward op with its forward op; a
         # GradientTape would put the backward of the CPU:1 ops on CPU:0.
         return tf.gradients(loss, x)[0]
 
-    graph = step.get_concrete_function(tf.TensorSpec([4, 64])).graph
-    crossing = []
-    for op in graph.get_operations():
-      for t in op.inputs:
-        src, dst = t.op.device, op.device
-        if src and dst and src[-5:] != dst[-5:]:
-          crossing.append((t.dtype, tuple(t.shape.as_list()), dst[-5:]))
-    # Forward: values and uint8 indices [4, 7] to CPU:1; backward: the
-    # gathered gradient [4, 7] to CPU:0. Nothing of width 64 crosses.
-    self.assertEqual(set(crossing), {(tf.float32, (4, 7), "CPU:1"),
-                                     (tf.uint8, (4, 7), "CPU:1"),
-                                     (tf.float32, (4, 7), "CPU:0")})
+    graph = step.get_concrete_function(tf.TensorSpec([4, d])).graph
+    edges = crossing.crossing(graph)
+    # Forward: values and indices to CPU:1; backward: the gathered gradient
+    # to CPU:0. Nothing of width d crosses.
+    self.assertEqual({(dtype, shape, dst) for (_, dst), (dtype, shape, _) in edges.items()},
+                     want)
+    k = ops.num_kept(d, sparsity)
+    self.assertEqual(crossing.bytes_to(edges, "CPU:1"), ops.compact_bytes(4, d, k, tf.float32))
 
   def test_densify_runs_on_the_receiving_logical_device(self):
     repl = tf_dct.Replicator(num_devices_per_replica=2)

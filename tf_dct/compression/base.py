@@ -60,6 +60,17 @@ class Compressor(tf.Module):
                        "create one compressor per wrapped optimizer")
     self._replicator = replicator
 
+  def config(self) -> dict:
+    """The settings every worker must share: class and public scalar options."""
+    out = {"compressor": type(self).__name__}
+    for key, value in sorted(vars(self).items()):
+      if key == "time_selection":  # a local measurement switch
+        continue
+      if not key.startswith("_") and isinstance(
+          value, (bool, int, float, str, tuple, type(None))):
+        out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
   # -- to override --------------------------------------------------------------
 
   def create_state(self, variable: tf.Variable) -> dict:

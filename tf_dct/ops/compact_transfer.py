@@ -66,6 +66,25 @@ def device_scope(device: DeviceLike) -> ContextManager:
                   f"manager, or None, got {device!r}")
 
 
+def gradient_device_scope(device: str | None) -> ContextManager:
+  """`device_scope(device)` for the ops of a gradient function.
+
+  `tf.gradients` colocates the ops a gradient function creates with the
+  forward op, which overrides device scopes; a gradient that must run on the
+  other side of the boundary (the forward op's input's device) first leaves
+  that colocation. A no-op colocation-wise when executing eagerly (tapes do
+  not colocate).
+  """
+  if not device:
+    return contextlib.nullcontext()
+  stack = contextlib.ExitStack()
+  if not tf.executing_eagerly():
+    stack.enter_context(tf.compat.v1.get_default_graph().colocate_with(
+        None, ignore_existing=True))
+  stack.enter_context(tf.device(device))
+  return stack
+
+
 def compact(x2: tf.Tensor, k: int) -> tuple[tf.Tensor, tf.Tensor]:
   """Per row of [N, d]: the k values of largest |x| and their int32 indices."""
   indices = top_k_indices(x2, k)

@@ -58,7 +58,7 @@ def gaussian_sketch(x, sparsity: float, seed: int = 0,
     y = tf.reshape(tf.matmul(z, s_target, transpose_b=True), shape)
 
     def grad(dy):
-      with compact_transfer.device_scope(source or None):  # dy crosses dense
+      with compact_transfer.gradient_device_scope(source):  # dy crosses dense
         return tf.matmul(tf.reshape(dy, [-1, d]), s_source)
 
     return y, grad

@@ -69,7 +69,7 @@ def xgrad_topk(x, sparsity: float, residual: tf.Variable,
         kept = compact_transfer.densify(values, indices, d)
         update = residual.assign(tf.cast(g - kept, residual.dtype))
         wire_indices = index_wire.encode_indices(indices, d)
-      with compact_transfer.device_scope(source or None), \
+      with compact_transfer.gradient_device_scope(source), \
           tf.control_dependencies([update]):
         received = index_wire.decode_indices(wire_indices, d, k)
         dx = compact_transfer.densify(values, received, d)

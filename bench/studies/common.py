@@ -1,0 +1,113 @@
+"""Shared output for `bench/reproduce.py`: markdown table + PNG per study."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+from typing import Callable, Sequence
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_OUT = os.path.join(_ROOT, "docs", "reproduction")
+
+
+@dataclasses.dataclass
+class Result:
+  """What a study measured.
+
+  Attributes:
+    title: heading of the markdown page, e.g. "DCT Table 2: DCT-DP sweep".
+    settings: data and settings, one markdown paragraph or bullet list.
+    headers: table column names.
+    rows: table rows (already formatted strings or numbers).
+    verdict: plain statement of what reproduced and what did not, with numbers.
+    plot: called with a fresh matplotlib Figure; draws the study's plot.
+    extra: further markdown appended after the verdict (more tables).
+  """
+  title: str
+  settings: str
+  headers: Sequence[str]
+  rows: Sequence[Sequence[object]]
+  verdict: str
+  plot: Callable[[object], None] | None = None
+  extra: str = ""
+
+
+def define_common(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke-sized run, < 5 minutes on 2 cores")
+  parser.add_argument("--out_dir", default=DEFAULT_OUT,
+                      help="where <study>.md and <study>.png go")
+
+
+def common_argv(args: argparse.Namespace) -> list[str]:
+  argv = ["--out_dir", args.out_dir]
+  return argv + (["--quick"] if args.quick else [])
+
+
+def logical_cpus(wanted: int) -> list[str]:
+  """Splits the CPU into `wanted` logical devices, or keeps an earlier split.
+
+  `tf_dct.split_cpu` works only before TensorFlow initializes its devices, so
+  when an earlier study of the same process (`reproduce.py all`) already
+  split the CPU, its devices are returned unchanged (possibly fewer than
+  `wanted`); callers size their real-replica runs by the length of the list.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_dct  # pylint: disable=g-import-not-at-top
+  try:
+    return tf_dct.split_cpu(wanted)
+  except RuntimeError:
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+  def cell(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+  lines = ["| " + " | ".join(headers) + " |",
+           "|" + "---|" * len(headers)]
+  lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def write(name: str, result: Result, args: argparse.Namespace, seconds: float,
+          argv: Sequence[str]) -> list[str]:
+  """Writes `<out_dir>/<name>.md` (+ `.png`); `<name>_quick.*` if --quick."""
+  os.makedirs(args.out_dir, exist_ok=True)
+  paths = []
+  if args.quick:  # never overwrite the committed full-mode results
+    name += "_quick"
+  png = os.path.join(args.out_dir, f"{name}.png")
+  if result.plot is not None:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+    fig = plt.figure(figsize=(7, 4.5))
+    result.plot(fig)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  command = "python bench/reproduce.py " + " ".join(
+      a for a in argv if not a.startswith("--out_dir"))
+  md = [f"# {result.title}", "",
+        f"Command: `{command}` ({'quick' if args.quick else 'full'} mode, "
+        f"{seconds:.0f} s). Machine: {os.cpu_count()} cores, CPU only, "
+        f"TensorFlow {tf.__version__}, Python {platform.python_version()}. "
+        f"Date: {datetime.date.today().isoformat()}.", "",
+        "## Data and settings", "", result.settings.strip(), "",
+        "## Results", "", table(result.headers, result.rows), ""]
+  if result.plot is not None:
+    md += [f"![{name}]({name}.png)", ""]
+  md += ["## Verdict", "", result.verdict.strip(), ""]
+  if result.extra:
+    md += [result.extra.strip(), ""]
+  path = os.path.join(args.out_dir, f"{name}.md")
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("\n".join(md))
+  paths.append(path)
+  if result.plot is not None:
+    paths.append(png)
+  return paths

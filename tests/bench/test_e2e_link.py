@@ -1,0 +1,322 @@
+"""bench/e2e_link.py: flag validation, the root check and cleanup (no root needed).
+
+Nothing here creates a namespace or starts a worker: the testbed runs with a
+fake command runner, a fake Popen and a fake killpg that record what they were
+asked to do.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from bench import e2e_link
+
+
+# --- fakes -----------------------------------------------------------------------
+
+
+class FakeRunner:
+  """Records commands; fails those matching `fail` (a substring of the command)."""
+
+  def __init__(self, fail: str | None = None, error: str = "boom", netem: bool = False):
+    self.commands: list[list[str]] = []
+    self.fail, self.error, self.netem = fail, error, netem
+
+  def __call__(self, cmd, check=True):
+    cmd = list(cmd)
+    self.commands.append(cmd)
+    text = " ".join(cmd)
+    if "netem" in cmd and not self.netem:
+      raise e2e_link.CommandError(f"{text} failed (2): Error: Specified qdisc kind is unknown.")
+    if self.fail and self.fail in text:
+      if check:
+        raise e2e_link.CommandError(f"{text} failed (1): {self.error}")
+      return ""
+    if cmd[:2] == ["ip", "-j"]:
+      return json.dumps([{"stats64": {"tx": {"bytes": 1000, "packets": 10},
+                                      "rx": {"bytes": 900, "packets": 9}}}])
+    if cmd[:2] == ["tc", "-j"]:
+      return json.dumps([{"kind": "tbf", "drops": 2}])
+    return ""
+
+  def matching(self, *words):
+    return [c for c in self.commands if all(w in c for w in words)]
+
+
+class FakeProc:
+  """A worker that ends on SIGTERM (or, if `stubborn`, only on SIGKILL)."""
+
+  def __init__(self, pid: int, stubborn: bool = False):
+    self.pid, self.stubborn, self.returncode = pid, stubborn, None
+
+  def poll(self):
+    return self.returncode
+
+  def wait(self, timeout=None):
+    if self.returncode is None:
+      raise subprocess.TimeoutExpired("worker", timeout)
+    return self.returncode
+
+
+class FakeProcesses:
+  """`popen` and `killpg` stand-ins sharing one process table."""
+
+  def __init__(self, stubborn: bool = False):
+    self.procs: dict[int, FakeProc] = {}
+    self.signals: list[tuple[int, int]] = []
+    self.started: list[list[str]] = []
+    self.stubborn = stubborn
+
+  def popen(self, cmd, **kwargs):
+    assert kwargs.get("start_new_session"), "workers need their own process group"
+    proc = FakeProc(1000 + len(self.procs), self.stubborn)
+    self.procs[proc.pid] = proc
+    self.started.append(list(cmd))
+    return proc
+
+  def killpg(self, pgid, sig):
+    self.signals.append((pgid, sig))
+    proc = self.procs[pgid]
+    if sig == signal.SIGKILL or not proc.stubborn:
+      proc.returncode = -sig
+
+
+def make_testbed(runner=None, stubborn=False):
+  procs = FakeProcesses(stubborn)
+  bed = e2e_link.Testbed(runner or FakeRunner(), tag="42", popen=procs.popen,
+                         killpg=procs.killpg, log=io.StringIO())
+  return bed, procs
+
+
+# --- flags -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--rate=fast"], "--rate"),
+    (["--rate=100"], "--rate"),
+    (["--rate=1gbits"], "--rate"),
+    (["--rate=500kbit"], "--rate"),
+    (["--rate=100gbit"], "--rate"),
+    (["--delay=5"], "--delay"),
+    (["--delay=-1ms"], "--delay"),
+    (["--delay=2s"], "--delay"),
+    (["--shaper=htb"], "--shaper"),
+    (["--configs="], "--configs"),
+    (["--configs=dense,foo"], "--configs"),
+    (["--configs=dense,dense"], "--configs"),
+    (["--steps=1"], "--steps"),
+    (["--warmup_steps=0"], "--warmup_steps"),
+    (["--steps=10", "--warmup_steps=10"], "--warmup_steps"),
+    (["--eval_steps=0"], "--eval_steps"),
+    (["--vocab_size=1"], "--vocab_size"),
+    ([f"--vocab_size={e2e_link.MAX_VOCAB + 1}"], "--vocab_size"),
+    (["--batch_size=0"], "--batch_size"),
+    (["--batch_size=255"], "--batch_size"),
+    (["--learning_rate=0"], "--learning_rate"),
+    (["--learning_rate=nan"], "--learning_rate"),
+    (["--sparsity=1"], "--sparsity"),
+    (["--sparsity=0"], "--sparsity"),
+    (["--mp_sparsity=1"], "--mp_sparsity"),
+    (["--density=0"], "--density"),
+    (["--density=1.5"], "--density"),
+    (["--threshold_life=0"], "--threshold_life"),
+    (["--seed=-1"], "--seed"),
+    (["--nice=20"], "--nice"),
+    (["--port=80"], "--port"),
+    (["--port=65534"], "--port"),
+    (["--timeout=0"], "--timeout"),
+])
+def test_bad_flag_is_named(argv, flag):
+  with pytest.raises(e2e_link.FlagError, match=flag):
+    e2e_link.parse_args(argv)
+
+
+def test_defaults_presets_and_units():
+  full = e2e_link.parse_args([])
+  assert (full.rate_bps, full.delay_s) == (1e9, 5e-4)
+  assert full.config_list == e2e_link.DEFAULT_CONFIGS
+  assert full.vocab_size == e2e_link.FULL["vocab_size"]
+  quick = e2e_link.parse_args(["--quick", "--steps=7", "--rate=100mbit", "--delay=200us",
+                               "--configs=topk, dense"])
+  assert quick.steps == 7  # an explicit flag beats the preset
+  assert quick.vocab_size == e2e_link.QUICK["vocab_size"]
+  assert (quick.rate_bps, quick.delay_s) == (1e8, pytest.approx(2e-4))
+  assert quick.config_list == ("topk", "dense")
+  assert e2e_link.parse_rate("2.5Gbit") == 2.5e9
+  assert e2e_link.parse_delay("0ms") == 0.0
+
+
+def test_main_reports_bad_flag_before_anything(capsys):
+  def factory():
+    raise AssertionError("no testbed may be created for a bad flag")
+  assert e2e_link.main(["--rate=fast"], testbed_factory=factory, geteuid=lambda: 0) == 2
+  assert "--rate" in capsys.readouterr().err
+
+
+def test_refuses_without_root(capsys):
+  def factory():
+    raise AssertionError("nothing may be touched without root")
+  status = e2e_link.main(["--quick"], testbed_factory=factory, geteuid=lambda: 1000,
+                         install_signals=False)
+  assert status == 1
+  err = capsys.readouterr().err
+  assert "must run as root" in err and "Nothing was changed" in err
+
+
+# --- testbed and cleanup -----------------------------------------------------------
+
+
+def test_setup_falls_back_to_tbf_and_cleanup_removes_everything():
+  bed, procs = make_testbed()
+  shaping = bed.setup(1e9, 5e-4, "auto")
+  assert (shaping.shaper, shaping.delay_emulated) == ("tbf", False)
+  runner = bed.run
+  assert [c[-1] for c in runner.matching("netns", "add")] == bed.namespaces
+  assert len(runner.matching("tbf")) == 2           # both ends shaped
+  assert len(runner.matching("gso_max_segs")) == 2  # MTU frames by default
+  for i in range(2):
+    bed.start_worker(i, ["--config=dense"], {}, os.devnull, nice=5)
+  assert all(cmd[:4] == ["ip", "netns", "exec", bed.namespaces[i]]
+             for i, cmd in enumerate(procs.started))
+  before = len(runner.commands)
+  bed.cleanup()
+  assert sorted(procs.signals) == [(1000, signal.SIGTERM), (1001, signal.SIGTERM)]
+  deleted = [c[-1] for c in runner.matching("netns", "del")]
+  assert sorted(deleted) == sorted(bed.namespaces)
+  assert runner.matching("link", "del", bed.veths[0])
+  after = len(runner.commands)
+  assert after > before
+  bed.cleanup()  # idempotent: nothing more to do
+  assert len(runner.commands) == after and len(procs.signals) == 2
+
+
+def test_netem_shapes_both_ends_with_rate_and_delay():
+  bed, _ = make_testbed(FakeRunner(netem=True))
+  shaping = bed.setup(1e8, 5e-4, "auto", gso=True)
+  assert (shaping.shaper, shaping.delay_emulated) == ("netem", True)
+  netem = bed.run.matching("netem")
+  assert [c[2] for c in netem] == bed.namespaces
+  assert all("100000000bit" in c and "500us" in c for c in netem)
+  assert not bed.run.matching("gso_max_segs")
+  bed.cleanup()
+
+
+def test_netem_required_but_missing_is_a_clear_error_and_cleans_up():
+  bed, _ = make_testbed()
+  with pytest.raises(e2e_link.CommandError, match="sch_netem"):
+    with e2e_link.CleanupOnExit(bed, install_signals=False):
+      bed.setup(1e9, 5e-4, "netem")
+  assert sorted(c[-1] for c in bed.run.matching("netns", "del")) == sorted(bed.namespaces)
+
+
+def test_cleanup_after_partial_setup():
+  # `ip link add` fails: both namespaces exist, the veth does not.
+  bed, _ = make_testbed(FakeRunner(fail="link add"))
+  with pytest.raises(e2e_link.CommandError):
+    bed.setup(1e9, 0.0)
+  bed.cleanup()
+  assert sorted(c[-1] for c in bed.run.matching("netns", "del")) == sorted(bed.namespaces)
+  # First namespace created, the second failed: both are still deleted (the
+  # failed one tolerantly, with check=False).
+  bed, _ = make_testbed(FakeRunner(fail=f"netns add {e2e_link.NS_PREFIX}42_1"))
+  with pytest.raises(e2e_link.CommandError):
+    bed.setup(1e9, 0.0)
+  bed.cleanup()
+  assert sorted(c[-1] for c in bed.run.matching("netns", "del")) == sorted(bed.namespaces)
+  assert not bed.run.matching("link", "del")  # the veth was never created
+
+
+def test_cleanup_tolerates_failing_deletes():
+  bed, _ = make_testbed(FakeRunner(fail="del"))
+  bed.setup(1e9, 0.0)
+  bed.cleanup()  # must not raise
+  assert len(bed.run.matching("netns", "del")) == 2
+
+
+def test_stubborn_worker_gets_sigkill():
+  bed, procs = make_testbed(stubborn=True)
+  bed.start_worker(0, [], {}, os.devnull, nice=0)
+  bed.stop_workers(grace=0.01)
+  assert procs.signals == [(1000, signal.SIGTERM), (1000, signal.SIGKILL)]
+  assert not bed.procs
+
+
+def test_cleanup_runs_on_exception_and_unregisters():
+  bed, procs = make_testbed()
+  with pytest.raises(RuntimeError, match="mid-run"):
+    with e2e_link.CleanupOnExit(bed, install_signals=False):
+      bed.setup(1e9, 0.0)
+      bed.start_worker(0, [], {}, os.devnull, nice=0)
+      raise RuntimeError("mid-run")
+  assert procs.signals == [(1000, signal.SIGTERM)]
+  assert sorted(c[-1] for c in bed.run.matching("netns", "del")) == sorted(bed.namespaces)
+  assert not bed.created_namespaces and not bed.created_veth
+
+
+def test_sigterm_cleans_up_and_restores_handlers():
+  bed, procs = make_testbed()
+  previous = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(SystemExit) as exit_info:
+    with e2e_link.CleanupOnExit(bed):
+      bed.setup(1e9, 0.0)
+      bed.start_worker(0, [], {}, os.devnull, nice=0)
+      os.kill(os.getpid(), signal.SIGTERM)
+      for _ in range(200):  # the handler raises at the next bytecode or in sleep
+        time.sleep(0.01)
+      raise AssertionError("the handler should have raised SystemExit")
+  assert exit_info.value.code == 128 + signal.SIGTERM
+  assert procs.signals == [(1000, signal.SIGTERM)]
+  assert len(bed.run.matching("netns", "del")) == 2
+  assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_main_cleans_up_when_the_run_fails(monkeypatch, capsys):
+  monkeypatch.setattr(e2e_link.shutil, "which", lambda name: f"/usr/sbin/{name}")
+  beds = []
+
+  def factory():
+    bed, _ = make_testbed(FakeRunner(fail="tbf", error="RTNETLINK answers: busy"))
+    beds.append(bed)
+    return bed
+
+  status = e2e_link.main(["--quick"], testbed_factory=factory, geteuid=lambda: 0,
+                         install_signals=False)
+  assert status == 1
+  assert "RTNETLINK answers: busy" in capsys.readouterr().err
+  assert sorted(c[-1] for c in beds[0].run.matching("netns", "del")) == sorted(
+      beds[0].namespaces)
+
+
+def test_stale_namespaces_only_of_dead_runs():
+  names = ["dcte2e_11_0", "dcte2e_11_1", "dcte2e_22_0", "other_33_0", "dcte2e_x_0"]
+  assert e2e_link.stale_namespaces(names, alive=lambda pid: pid == 22) == [
+      "dcte2e_11_0", "dcte2e_11_1"]
+
+
+def test_counters_and_summary_arithmetic():
+  bed, _ = make_testbed()
+  counters = bed.counters()
+  assert counters[0] == {"tx_bytes": 1000, "rx_bytes": 900, "tx_packets": 10,
+                         "qdisc_drops": 2}
+
+  def worker(sent):
+    return {"timed_steps": 4, "window_seconds": 2.0, "step_times": [0.5] * 4,
+            "per_step": {"dp_bytes_sent": sent, "dp_dense_bytes": 4e6, "mp_bytes": 0,
+                         "mp_dense_bytes": 0},
+            "eval": {"loss": 0.5}, "table_entries": 10, "num_parameters": 20}
+
+  raw = {"config": "dctdp", "workers": [worker(1e6), worker(1e6)], "wall_seconds": 9.0,
+         "before": [{"tx_bytes": 0, "tx_packets": 0, "qdisc_drops": 0}] * 2,
+         "after": [{"tx_bytes": 4.4e6, "tx_packets": 4000, "qdisc_drops": 0}] * 2}
+  row = e2e_link.summarize(raw, rate_bps=1e8)
+  assert row["step_ms"] == pytest.approx(500.0)
+  assert row["wire_bytes"] == pytest.approx(1.1e6)
+  assert row["wire_over_acct"] == pytest.approx(1.1)
+  assert row["utilization"] == pytest.approx(4.4e6 * 8 / (1e8 * 2.0))
