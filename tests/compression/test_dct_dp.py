@@ -240,63 +240,6 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllEqual(st["step"].numpy(), [3, 3])
 
 
-def _slices_run(replicas, steps, jit_compile, seed=0):
-  """Same IndexedSlices fed as slices to one DCTDP and densified to another."""
-  rows, width, k = 6, 3, 5
-  rng = np.random.default_rng(seed)
-  ids = rng.integers(0, rows, size=(steps, replicas, k)).astype(np.int32)
-  ids[:, :, 1] = ids[:, :, 0]  # duplicates on every step and replica
-  ids[:, :, 4] = ids[:, :, 0]
-  vals = rng.normal(size=(steps, replicas, k, width)).astype(np.float32)
-  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
-                           input_replication=tf_dct.PER_REPLICA,
-                           jit_compile=jit_compile)
-  kwargs = dict(sparsity=0.8, threshold_life=3, capacity_factor=1.5)
-  sparse, dense = DCTDP(**kwargs), DCTDP(**kwargs)
-  for c in (sparse, dense):
-    c.bind(repl)
-  with repl.scope():
-    table = tf.Variable(tf.zeros([rows, width]), name="table")
-
-  def input_fn(replica_id):
-    return tf.data.Dataset.from_tensor_slices((ids[:, replica_id],
-                                               vals[:, replica_id]))
-
-  def step_fn(batch):
-    i, v = batch
-    g = tf.IndexedSlices(v, i, tf.constant([rows, width]))
-    a = sparse.aggregate([(g, table)])[0][0]
-    b = dense.aggregate([(tf.convert_to_tensor(g), table)])[0][0]
-    return a, b
-
-  history = []
-  for _ in range(steps):
-    out = util.local(repl, repl.run(step_fn, input_fn))
-    states = [{key: s.numpy() for key, s in c.state_for(table).items()}
-              for c in (sparse, dense)]
-    history.append((out, states))
-  return history
-
-
-class IndexedSlicesTest(tf.test.TestCase, parameterized.TestCase):
-
-  @parameterized.named_parameters(("2_replicas", 2, False),
-                                  ("1_replica_xla", 1, True))
-  def test_matches_densified_path(self, replicas, jit_compile):
-    history = _slices_run(replicas, steps=7, jit_compile=jit_compile)
-    # Bit-identical without XLA; XLA may sum the duplicates in another order.
-    same = self.assertAllClose if jit_compile else self.assertAllEqual
-    tol = {"atol": 1e-6, "rtol": 0} if jit_compile else {}
-    for t, (out, (st_sparse, st_dense)) in enumerate(history):
-      for r in range(replicas):
-        same(out[r][0], out[r][1], msg=f"update step {t}", **tol)
-      for key in ("residual", "threshold"):
-        same(st_sparse[key], st_dense[key], msg=f"{key} step {t}", **tol)
-      for key in ("sent", "overflow", "step"):
-        self.assertAllEqual(st_sparse[key], st_dense[key], msg=f"{key} step {t}")
-    self.assertTrue(np.any(history[-1][1][0]["residual"] != 0))
-
-
 def _guard_reference(grads, sparsity, life, factor, band):
   """numpy DCT-DP of one variable with the density guard; per replica."""
   n = grads[0][0].size

@@ -46,7 +46,7 @@ REPLICAS = 2
 BATCH = 256          # global (128 per replica)
 STEPS = 300
 WARMUP = 50          # steps excluded from the stability checks
-NOISE = 0.5          # label noise: the loss reaches its floor within ~30 steps
+NOISE = 0.5          # label noise: the loss levels off within ~50 steps
 LR = 0.05
 BAND = (0.5, 2.0)    # density guard of the "reused" compressor
 
@@ -55,7 +55,7 @@ BAND = (0.5, 2.0)    # density guard of the "reused" compressor
 # of "every" stayed within 0.83-1.30 x its median (max |tau / median - 1| =
 # 0.30), and the paper's measure, the largest deviation from the running mean,
 # was at most 0.20 (paper, eta = 0.95: 26%). "reused" changed tau 1-8 times in
-# steps 50-299 (15-28 times over the whole run: the warm-up needs many), and
+# steps 50-299 (14-26 times over the whole run: the warm-up needs many), and
 # the tau it held was 0.83-1.44 x the median tau of "every". The bounds leave
 # about 1.5x margin on those deviations (2x on the refresh count); a tau that
 # drifts, e.g. with gradients shrinking by half over the run, breaks them.

@@ -88,6 +88,7 @@ import tensorflow as tf
 
 from tf_dct import validation
 from tf_dct.compression import accounting
+from tf_dct.compression import error_feedback
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
 
@@ -137,28 +138,6 @@ def _check_band(band):
                      f"of numbers with 0 <= low <= 1 <= high and low < high, "
                      f"got {band!r}")
   return float(low), float(high)
-
-
-def _combine_rows(slices: tf.IndexedSlices, width: int):
-  """Sums duplicate rows of `slices` with static shapes.
-
-  Returns `(row_ids, values)`: int32[k] distinct row ids (unused entries: 0)
-  and [k, width] their summed values (unused: 0), k = number of slices.
-  Duplicates are summed in their original order, as
-  `tf.convert_to_tensor(slices)` does.
-  """
-  ids = tf.cast(slices.indices, tf.int32)
-  values = tf.reshape(slices.values, [-1, width])
-  k = tf.shape(ids)[0]
-  order = tf.argsort(ids, stable=True)
-  sorted_ids = tf.gather(ids, order)
-  first = tf.concat([tf.ones([1], tf.bool), sorted_ids[1:] != sorted_ids[:-1]], 0)
-  seg_sorted = tf.cumsum(tf.cast(first, tf.int32)) - 1
-  seg = tf.scatter_nd(order[:, None], seg_sorted, [k])  # segment of each slice
-  summed = tf.math.unsorted_segment_sum(values, seg, k)
-  row_ids = tf.scatter_nd(seg_sorted[:, None],
-                          tf.where(first, sorted_ids, 0), [k])
-  return row_ids, summed
 
 
 class DCTDP(Compressor):
@@ -235,19 +214,9 @@ class DCTDP(Compressor):
     }
 
   def reduce(self, ctx, grads, variables, states):
-    grads = [tf.convert_to_tensor(g)
-             if not st or not isinstance(g, tf.IndexedSlices) else g
-             for g, st in zip(grads, states)]
-    checked = []
-    for g, v in zip(grads, variables):
-      message = f"DCTDP: non-finite gradient for variable {v.name}"
-      if isinstance(g, tf.IndexedSlices):
-        checked.append(tf.IndexedSlices(
-            tf.debugging.check_numerics(g.values, message), g.indices,
-            g.dense_shape))
-      else:
-        checked.append(tf.debugging.check_numerics(g, message))
-    deps = [g.values if isinstance(g, tf.IndexedSlices) else g for g in checked]
+    grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
+    checked = error_feedback.check_finite("DCTDP", grads, variables)
+    deps = error_feedback.dependencies(checked)
     results = [None] * len(grads)
     dense_items = []    # (position in results, tensor to all-reduce)
     sparse_items = []   # (position, idx, val, n, shape)
@@ -314,14 +283,7 @@ class DCTDP(Compressor):
     step = st["step"].local()
 
     k = step.read_value()
-    if isinstance(grad, tf.IndexedSlices):  # DCT Algorithm 1 line 2, row-wise
-      rows = variable.shape[0]
-      row_ids, summed = _combine_rows(grad, n // rows)
-      acc = tf.reshape(tf.tensor_scatter_nd_add(
-          tf.reshape(residual.read_value(), [rows, n // rows]),
-          row_ids[:, None], summed), [-1])
-    else:
-      acc = tf.reshape(grad, [-1]) + tf.reshape(residual.read_value(), [-1])  # DCT Algorithm 1 line 2
+    acc = error_feedback.accumulate(grad, residual.read_value(), variable)  # DCT Algorithm 1 line 2
     timing = self.timing_enabled
     start = accounting.start_timer(acc, timing)
     with tf.control_dependencies([start] if timing else []):

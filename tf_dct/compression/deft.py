@@ -97,6 +97,7 @@ import tensorflow as tf
 
 from tf_dct import validation
 from tf_dct.compression import accounting
+from tf_dct.compression import error_feedback
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
 
@@ -259,18 +260,14 @@ class DEFT(Compressor):
     }
 
   def reduce(self, ctx, grads, variables, states):
-    # TODO(issue 3): IndexedSlices are densified here; add a sparse-aware path.
-    grads = [tf.convert_to_tensor(g) for g in grads]
-    checked = [
-        tf.debugging.check_numerics(
-            g, f"DEFT: non-finite gradient for variable {v.name}")
-        for g, v in zip(grads, variables)]
+    grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
+    checked = error_feedback.check_finite("DEFT", grads, variables)
     results = [None] * len(grads)
     dense_items = []  # (position in results, tensor to all-reduce)
     groups = {}       # dtype -> positions of its compressed variables
     writes = []
     # No state is read before every gradient of this replica passed the check.
-    with tf.control_dependencies(checked):
+    with tf.control_dependencies(error_feedback.dependencies(checked)):
       for i, (g, st) in enumerate(zip(checked, states)):
         if st:
           groups.setdefault(g.dtype, []).append(i)
@@ -340,8 +337,8 @@ class DEFT(Compressor):
     step = states[0]["step"].local().read_value()
 
     # DEFT Algorithm 1 line 5: acc = g + E, all variables in one flat vector.
-    acc = tf.concat([tf.reshape(g, [-1]) + tf.reshape(r.read_value(), [-1])
-                     for g, r in zip(grads, residuals)], axis=0)
+    acc = tf.concat([error_feedback.accumulate(g, r.read_value(), v)
+                     for g, r, v in zip(grads, residuals, variables)], axis=0)
     pieces = [acc[p.start:p.start + p.size] for p in parts]
     norms = tf.stack([tf.sqrt(tf.reduce_sum(tf.square(tf.cast(x, tf.float32))))
                       for x in pieces])

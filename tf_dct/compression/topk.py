@@ -48,6 +48,7 @@ import tensorflow as tf
 
 from tf_dct import validation
 from tf_dct.compression import accounting
+from tf_dct.compression import error_feedback
 from tf_dct.compression import dct_dp
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
@@ -132,23 +133,19 @@ class ErrorFeedbackCompressor(Compressor):
             for key, value in init.items()}
 
   def reduce(self, ctx, grads, variables, states):
-    # TODO(issue 3): IndexedSlices are densified here; add a sparse-aware path.
-    owner = type(self).__name__
-    grads = [tf.convert_to_tensor(g) for g in grads]
-    checked = [tf.debugging.check_numerics(
-        g, f"{owner}: non-finite gradient for variable {v.name}")
-               for g, v in zip(grads, variables)]
+    grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
+    checked = error_feedback.check_finite(type(self).__name__, grads, variables)
     results = [None] * len(grads)
     dense = []    # (position, tensor to all-reduce)
     items = []    # (position, variable, state, Item)
     # No state is read before every gradient of this replica passed its check.
-    with tf.control_dependencies(checked):
+    with tf.control_dependencies(error_feedback.dependencies(checked)):
       for i, (g, v, st) in enumerate(zip(checked, variables, states)):
         if not st:  # below min_size (or empty): plain dense SUM, no state
           dense.append((i, tf.identity(g)))
           continue
-        acc = (tf.reshape(g, [-1])                 # DEFT Algorithm 1 line 5
-               + tf.reshape(st["residual"].local().read_value(), [-1]))
+        acc = error_feedback.accumulate(           # DEFT Algorithm 1 line 5
+            g, st["residual"].local().read_value(), v)
         step = st["step"].local().read_value()
         warm = step < self.warmup_steps if self.warmup_steps else None
         items.append((i, v, st, Item(acc, step, warm, v.shape.num_elements())))

@@ -1,0 +1,89 @@
+"""The error-feedback steps every sparsifying compressor shares.
+
+DCT Algorithm 1 line 2 and DEFT Algorithm 1 line 5 add the replica's residual
+E to its gradient before selecting: acc = g + E. This module does that add
+and the checks before it, for dense gradients and for `tf.IndexedSlices`
+(embedding tables), without building a table-sized dense gradient.
+
+For IndexedSlices, duplicate row ids are combined first (a static-shape sort
+and segment sum that sums in the order `tf.convert_to_tensor` would, so the
+result is bit-identical to densifying), then the combined rows are
+scatter-added into a copy of the residual. The residual itself is
+table-shaped, so the accumulator still covers every entry: an untouched row
+may hold residual mass that must be able to leave.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+
+
+def check_finite(owner: str, grads: Sequence, variables: Sequence) -> list:
+  """`tf.debugging.check_numerics` on every gradient (IndexedSlices: values).
+
+  The caller reads no state before these checks ran (control dependencies),
+  so a non-finite gradient never reaches a residual.
+  """
+  checked = []
+  for g, v in zip(grads, variables):
+    message = f"{owner}: non-finite gradient for variable {v.name}"
+    if isinstance(g, tf.IndexedSlices):
+      checked.append(tf.IndexedSlices(
+          tf.debugging.check_numerics(g.values, message), g.indices,
+          g.dense_shape))
+    else:
+      checked.append(tf.debugging.check_numerics(g, message))
+  return checked
+
+
+def dependencies(grads: Sequence) -> list[tf.Tensor]:
+  """Tensors to wait on so that every gradient check has run."""
+  return [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+
+
+def densify_unless(grads: Sequence, keep_sparse: Sequence[bool]) -> list:
+  """Converts IndexedSlices to dense tensors where `keep_sparse` is False."""
+  return [g if keep and isinstance(g, tf.IndexedSlices)
+          else tf.convert_to_tensor(g)
+          for g, keep in zip(grads, keep_sparse)]
+
+
+def combine_rows(slices: tf.IndexedSlices, width: int):
+  """Sums duplicate rows of `slices` with static shapes.
+
+  Returns `(row_ids, values)`: int32[k] distinct row ids (unused entries: 0)
+  and [k, width] their summed values (unused: 0), k = number of slices.
+  Duplicates are summed in their original order, as
+  `tf.convert_to_tensor(slices)` does.
+  """
+  ids = tf.cast(slices.indices, tf.int32)
+  values = tf.reshape(slices.values, [-1, width])
+  k = tf.shape(ids)[0]
+  order = tf.argsort(ids, stable=True)
+  sorted_ids = tf.gather(ids, order)
+  first = tf.concat([tf.ones([1], tf.bool), sorted_ids[1:] != sorted_ids[:-1]], 0)
+  seg_sorted = tf.cumsum(tf.cast(first, tf.int32)) - 1
+  seg = tf.scatter_nd(order[:, None], seg_sorted, [k])  # segment of each slice
+  summed = tf.math.unsorted_segment_sum(values, seg, k)
+  row_ids = tf.scatter_nd(seg_sorted[:, None],
+                          tf.where(first, sorted_ids, 0), [k])
+  return row_ids, summed
+
+
+def accumulate(grad, residual: tf.Tensor, variable: tf.Variable) -> tf.Tensor:
+  """acc = g + E as a flat vector (DCT Alg. 1 line 2, DEFT Alg. 1 line 5).
+
+  Args:
+    grad: this replica's gradient, dense or `tf.IndexedSlices` over rows.
+    residual: E, the residual's current value (variable shape).
+    variable: the variable (for its static shape).
+  """
+  n = variable.shape.num_elements()
+  if isinstance(grad, tf.IndexedSlices):  # row-wise, no dense gradient
+    rows = variable.shape[0]
+    row_ids, summed = combine_rows(grad, n // rows)
+    return tf.reshape(tf.tensor_scatter_nd_add(
+        tf.reshape(residual, [rows, n // rows]), row_ids[:, None], summed), [-1])
+  return tf.reshape(grad, [-1]) + tf.reshape(residual, [-1])
