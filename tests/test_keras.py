@@ -127,10 +127,12 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
     for want, s in zip(before, states):
       for w, got in zip(want, s.numpy()):
         self.assertAllEqual(got, w)
-    # The checkpoint holds one key per replica for every variable's state.
+    # The checkpoint holds one key per replica for every variable's state
+    # (besides the statistics, under accounting/).
     keys = [name for name, _ in tf.train.list_variables(path)]
     for r in range(4):
-      self.assertLen([n for n in keys if f"/replica_{r}/" in n], 4)
+      self.assertLen([n for n in keys if "_tf_dct_compressor/state/" in n
+                      and f"/replica_{r}/" in n], 4)
 
   @parameterized.parameters("tf_keras", "keras3")
   def test_wrapped_optimizer_keeps_identity(self, flavour):
@@ -163,6 +165,40 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
     dense = dense_opt.communication_stats()["last"]
     self.assertEqual(dense["density"], [1.0] * 4)
     self.assertEqual(dense["bytes_sent"], dense["dense_bytes"])
+
+  @parameterized.parameters("tf_keras", "keras3")
+  def test_build_creates_compressor_state_so_the_step_traces_once(self, flavour):
+    k = FLAVOURS[flavour]
+    repl = tf_dct.Replicator(self.devices, input_replication=tf_dct.PER_REPLICA)
+    compressor = compression.DCTDP(sparsity=0.5, threshold_life=2)
+    with repl.scope():
+      model = _model(k)
+      opt = repl.wrap_optimizer(k.optimizers.SGD(0.05), compression=compressor)
+    opt.build(model.trainable_variables)
+    self.assertLen(compressor.state, 4)  # before any step
+    self.assertEqual(compressor.communication_stats()["steps"], [0] * 4)
+    traces = []
+    x, y = _data()
+
+    def input_fn(replica_id):
+      del replica_id
+      return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+
+    def step_fn(batch):
+      traces.append(1)  # Python side effect: runs once per trace
+      xb, yb = batch
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(model(xb) - yb)) / 8.0
+      grads = tape.gradient(loss, model.trainable_variables)
+      opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    for _ in range(2):
+      repl.run(step_fn, input_fn)
+    # One trace per replica (MirroredStrategy calls step_fn once per replica
+    # while tracing); without build() variables made inside the first trace
+    # force a second one.
+    self.assertLen(traces, 4)
+    self.assertEqual(compressor.communication_stats()["steps"], [2] * 4)
 
   def test_errors(self):
     repl = tf_dct.Replicator(self.devices)

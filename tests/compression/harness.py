@@ -144,16 +144,24 @@ def check_conservation(test, compressor, steps: int = 200,
   return [np.asarray(r) for r in out["residual"]]
 
 
-def check_non_finite(test, compressor, message: str):
-  """A NaN on one replica raises and leaves every replica's state alone."""
+def check_non_finite(test, compressor, message: str, grads=None,
+                     shapes=SHAPES):
+  """A non-finite entry on one replica raises and leaves every state alone.
+
+  `grads[t][r][v]` (2 replicas, 4 steps, 2 variables of `shapes`) must hold
+  the non-finite entry at step 2 only; default: a NaN in variable 1 of
+  replica 1. Neither replica's state may move (replica 0 must not run
+  ahead), and the next finite step proceeds normally.
+  """
   replicas = 2
-  grads = gradients(4, replicas, seed=4)
-  grads[2][1][1][3] = np.nan
+  if grads is None:
+    grads = gradients(4, replicas, seed=4, shapes=shapes)
+    grads[2][1][1][3] = np.nan
   repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
                            input_replication=tf_dct.PER_REPLICA)
   compressor.bind(repl)
   with repl.scope():
-    variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
+    variables = [tf.Variable(tf.zeros(s)) for s in shapes]
 
   def input_fn(replica_id):
     return tf.data.Dataset.from_tensor_slices(tuple(

@@ -17,59 +17,14 @@ def setUpModule():
   util.setup_cpus()
 
 
-SHAPES = [(6, 5), (17,)]
-
-
-def _gradients(steps, replicas, seed=0):
-  """grads[t][r][v]: variable 0 continuous, variable 1 full of ties."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(steps):
-    per_replica = []
-    for _ in range(replicas):
-      g0 = rng.normal(size=SHAPES[0]).astype(np.float32)
-      g1 = (np.round(rng.normal(size=SHAPES[1]) * 2) / 2).astype(np.float32)
-      per_replica.append([g0, g1])
-    out.append(per_replica)
-  return out
-
-
-def _run(compressor, grads, replicas, jit_compile=False, shapes=SHAPES):
-  """Feeds grads[t][r][v] to `compressor` on `replicas` replicas.
-
-  Returns per step: the aggregated gradients per replica, and the state of
-  each compressed variable ({name: per-replica numpy list}).
-  """
-  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
-                           input_replication=tf_dct.PER_REPLICA,
-                           jit_compile=jit_compile)
-  compressor.bind(repl)
-  with repl.scope():
-    variables = [tf.Variable(tf.zeros(s), name=f"w{i}") for i, s in enumerate(shapes)]
-  steps = len(grads)
-
-  def input_fn(replica_id):
-    return tf.data.Dataset.from_tensor_slices(tuple(
-        np.stack([grads[t][replica_id][v] for t in range(steps)])
-        for v in range(len(shapes))))
-
-  def step_fn(g):
-    return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
-
-  history = []
-  for _ in range(steps):
-    out = util.local(repl, repl.run(step_fn, input_fn))
-    states = [{key: s.numpy() for key, s in st.items()}
-              for st in (compressor.state_for(v) for v in variables)]
-    history.append((out, states))
-  return repl, step_fn, history
+SHAPES = harness.SHAPES
 
 
 class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
   def _compare(self, compressor, grads, replicas, kwargs, jit_compile=False):
-    repl, step_fn, history = _run(compressor, grads, replicas,
-                                  jit_compile=jit_compile)
+    repl, step_fn, _, history = harness.run(compressor, grads, replicas,
+                                            jit_compile=jit_compile)
     for v in range(len(SHAPES)):
       ref = reference.dct_dp_reference([[g[v] for g in step] for step in grads],
                                        **kwargs)
@@ -100,7 +55,7 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
   )
   def test_matches_reference(self, replicas, extra):
     kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5, **extra)
-    grads = _gradients(12, replicas, seed=replicas)
+    grads = harness.gradients(12, replicas, seed=replicas)
     _, _, history = self._compare(DCTDP(**kwargs), grads, replicas, kwargs)
     # The run exercised what it is meant to: sparse steps and, thanks to the
     # tied variable, threshold ties beyond capacity.
@@ -123,7 +78,7 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
     big = [[rng.uniform(1.0, 2.0, size=(n,)).astype(np.float32)]
            for _ in range(replicas)]
     grads = [small, big]
-    _, _, history = _run(DCTDP(**kwargs), grads, replicas, shapes=[(n,)])
+    *_, history = harness.run(DCTDP(**kwargs), grads, replicas, shapes=[(n,)])
     ref = reference.dct_dp_reference([[g[0] for g in s] for s in grads], **kwargs)
     (out0, st0), (out1, st1) = history
     state0, state1 = st0[0], st1[0]
@@ -145,7 +100,7 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
   def test_compiles_with_xla(self):
     kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5,
                   warmup_steps=1, min_size=20)
-    grads = _gradients(7, 1, seed=11)
+    grads = harness.gradients(7, 1, seed=11)
     # jit_compile=True turns any op XLA cannot compile into an error, so the
     # run itself proves the step (dense, warmup and sparse paths) compiles.
     repl, step_fn, _ = self._compare(DCTDP(**kwargs), grads, 1, kwargs,
@@ -204,40 +159,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       compressor.state_for(counter)
 
   def test_non_finite_gradient_leaves_state_alone(self):
-    # Step 2: one NaN in the second variable of replica 1 only. Neither
-    # replica's state may move (replica 0 must not run ahead), and the next
-    # finite step proceeds normally.
-    replicas = 2
-    grads = _gradients(4, replicas, seed=4)
-    grads[2][1][1][3] = np.nan
-    compressor = DCTDP(sparsity=0.8, threshold_life=5, capacity_factor=1.5)
-    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
-                             input_replication=tf_dct.PER_REPLICA)
-    compressor.bind(repl)
-    with repl.scope():
-      variables = [tf.Variable(tf.zeros(s)) for s in SHAPES]
-
-    def input_fn(replica_id):
-      return tf.data.Dataset.from_tensor_slices(tuple(
-          np.stack([g[replica_id][v] for g in grads]) for v in range(2)))
-
-    def step_fn(g):
-      return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
-
-    repl.run(step_fn, input_fn)
-    repl.run(step_fn, input_fn)
-    states = [compressor.state_for(v) for v in variables]
-    before = [{k: s.numpy() for k, s in st.items()} for st in states]
-    self.assertTrue(np.any(before[0]["residual"][0] != 0))
-    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
-                                "non-finite gradient for variable"):
-      repl.run(step_fn, input_fn)
-    for want, st in zip(before, states):  # no replica's state moved
-      for key, s in st.items():
-        self.assertAllEqual(s.numpy(), want[key], msg=key)
-    repl.run(step_fn, input_fn)
-    for st in states:
-      self.assertAllEqual(st["step"].numpy(), [3, 3])
+    harness.check_non_finite(
+        self, DCTDP(sparsity=0.8, threshold_life=5, capacity_factor=1.5),
+        "DCTDP: non-finite gradient for variable")
 
 
 def _guard_reference(grads, sparsity, life, factor, band):
@@ -278,7 +202,7 @@ class DensityGuardTest(tf.test.TestCase):
     grads = [[[(rng.normal(size=n) * 1.5**t).astype(np.float32)]
               for _ in range(replicas)] for t in range(steps)]
     guarded = DCTDP(density_band=band, **kwargs)
-    _, _, history = _run(guarded, grads, replicas, shapes=[(n,)])
+    *_, history = harness.run(guarded, grads, replicas, shapes=[(n,)])
     ref_taus, ref_res, ref_early = _guard_reference(
         [[g[0] for g in s] for s in grads], band=band, life=1000,
         sparsity=0.9, factor=2.0)
@@ -297,7 +221,7 @@ class DensityGuardTest(tf.test.TestCase):
                         rtol=0)
     # Without the guard the same run never refreshes after step 0.
     plain = DCTDP(**kwargs)
-    _run(plain, grads, replicas, shapes=[(n,)])
+    harness.run(plain, grads, replicas, shapes=[(n,)])
     counters = plain.communication_stats()["variables"]["w0"]["counters"]
     self.assertNotIn("early_refreshes", counters)
     self.assertEqual(counters["refreshes"], [1, 1])

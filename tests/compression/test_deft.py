@@ -41,40 +41,13 @@ def _gradients(steps, replicas, seed=0, shapes=SHAPES):
   return out
 
 
-def _run(compressor, grads, replicas, jit_compile=False, shapes=SHAPES):
-  """Feeds grads[t][r][v] to `compressor`; returns (updates, states) per step."""
-  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
-                           input_replication=tf_dct.PER_REPLICA,
-                           jit_compile=jit_compile)
-  compressor.bind(repl)
-  with repl.scope():
-    variables = [tf.Variable(tf.zeros(s), name=f"w{i}")
-                 for i, s in enumerate(shapes)]
-  steps = len(grads)
-
-  def input_fn(replica_id):
-    return tf.data.Dataset.from_tensor_slices(tuple(
-        np.stack([grads[t][replica_id][v] for t in range(steps)])
-        for v in range(len(shapes))))
-
-  def step_fn(g):
-    return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
-
-  history = []
-  for _ in range(steps):
-    out = util.local(repl, repl.run(step_fn, input_fn))
-    states = [{key: s.numpy() for key, s in st.items()}
-              for st in (compressor.state_for(v) for v in variables)]
-    history.append((out, states))
-  return repl, step_fn, history
-
-
 class DEFTReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
   def _compare(self, replicas, kwargs, steps=8, jit_compile=False):
     grads = _gradients(steps, replicas, seed=replicas)
-    repl, step_fn, history = _run(DEFT(**kwargs), grads, replicas,
-                                  jit_compile=jit_compile)
+    repl, step_fn, _, history = harness.run(DEFT(**kwargs), grads, replicas,
+                                            jit_compile=jit_compile,
+                                            shapes=SHAPES)
     ref = reference.deft_reference(grads, **kwargs)
     comp = [v for v, st in enumerate(history[0][1]) if st]
     n_g = sum(int(np.prod(SHAPES[v])) for v in comp)
@@ -211,7 +184,8 @@ class AccountingTest(tf.test.TestCase):
   def test_reported_bytes_are_what_the_collectives_move(self):
     replicas = 4
     compressor = DEFT(density=DENSITY)
-    _run(compressor, _gradients(2, replicas, seed=4), replicas)
+    harness.run(compressor, _gradients(2, replicas, seed=4), replicas,
+                shapes=SHAPES)
     sizes = [int(np.prod(shape)) for shape in SHAPES]
     n_g = sum(sizes)
     parts = deft.partition(sizes, replicas)
@@ -274,40 +248,13 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       compressor.state_for(counter)
 
   def test_non_finite_gradient_leaves_state_alone(self):
-    # Step 2: one Inf in the last variable of replica 1 only. Neither
-    # replica's state may move, and the next finite step proceeds normally.
-    replicas = 2
+    # Step 2: one Inf in the last variable of replica 1 only.
     shapes = [(20, 10), (30,)]
-    grads = _gradients(4, replicas, seed=4, shapes=shapes)
+    grads = _gradients(4, 2, seed=4, shapes=shapes)
     grads[2][1][1][3] = np.inf
-    compressor = DEFT(density=0.1)
-    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
-                             input_replication=tf_dct.PER_REPLICA)
-    compressor.bind(repl)
-    with repl.scope():
-      variables = [tf.Variable(tf.zeros(s)) for s in shapes]
-
-    def input_fn(replica_id):
-      return tf.data.Dataset.from_tensor_slices(tuple(
-          np.stack([g[replica_id][v] for g in grads]) for v in range(2)))
-
-    def step_fn(g):
-      return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
-
-    repl.run(step_fn, input_fn)
-    repl.run(step_fn, input_fn)
-    states = [compressor.state_for(v) for v in variables]
-    before = [{k: s.numpy() for k, s in st.items()} for st in states]
-    self.assertTrue(np.any(before[0]["residual"][0] != 0))
-    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
-                                "non-finite gradient for variable"):
-      repl.run(step_fn, input_fn)
-    for want, st in zip(before, states):  # no replica's state moved
-      for key, s in st.items():
-        self.assertAllEqual(s.numpy(), want[key], msg=key)
-    repl.run(step_fn, input_fn)
-    for st in states:
-      self.assertAllEqual(st["step"].numpy(), [3, 3])
+    harness.check_non_finite(self, DEFT(density=0.1),
+                             "DEFT: non-finite gradient for variable",
+                             grads=grads, shapes=shapes)
 
 
 if __name__ == "__main__":

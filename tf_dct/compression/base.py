@@ -180,6 +180,16 @@ class Compressor(tf.Module):
                        f"int32 positions allow at most {max_size}")
     return n
 
+  def create_states(self, variables: Sequence[tf.Variable]) -> None:
+    """Creates the state and statistics of `variables` now (eagerly).
+
+    A wrapped optimizer's `build(variables)` calls this, so building the
+    optimizer before the first step (`opt.build(model.trainable_variables)`)
+    means a checkpoint restore fills the state at once and the first step
+    traces once (no variables are created inside it).
+    """
+    self._states_for(list(variables))
+
   def state_for(self, variable: tf.Variable) -> dict:
     """The per-replica state of `variable` (created on first use)."""
     return self._states_for([variable])[0]

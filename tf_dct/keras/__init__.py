@@ -5,7 +5,8 @@ backend) aggregates in the private `TFOptimizer._all_reduce_sum_gradients`
 (pinned in `tf_dct._private`). Either way the optimizer instance gets a
 subclass of its own class that overrides that one method, so its state,
 hyper-parameters, serialization and checkpoint layout stay as they were. The
-mixins also add `communication_stats()`, a passthrough to the compressor.
+mixins also add `communication_stats()`, a passthrough to the compressor,
+and extend `build(variables)` to create the compressor's state as well.
 """
 
 from __future__ import annotations

@@ -16,6 +16,13 @@ def accepts(optimizer) -> bool:
 class AggregateWithCompressor:
   """Mixin placed before a Keras 3 (TF backend) optimizer class."""
 
+  def build(self, variables):
+    super().build(variables)
+    import keras  # pylint: disable=g-import-not-at-top
+    # The aggregation sees the backing tf.Variables (`_backend_update_step`).
+    self._tf_dct_compressor.create_states(
+        [v.value if isinstance(v, keras.Variable) else v for v in variables])
+
   def _all_reduce_sum_gradients(self, grads_and_vars):
     return self._tf_dct_compressor.aggregate(grads_and_vars)
 

@@ -14,6 +14,10 @@ def accepts(optimizer) -> bool:
 class AggregateWithCompressor:
   """Mixin placed before a tf-keras optimizer class."""
 
+  def build(self, var_list):
+    super().build(var_list)
+    self._tf_dct_compressor.create_states(var_list)
+
   def aggregate_gradients(self, grads_and_vars):
     return self._tf_dct_compressor.aggregate(grads_and_vars)
 

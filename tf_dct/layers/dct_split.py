@@ -43,9 +43,9 @@ indices bit-packed or byte-aligned, whichever is smaller (see
 `tf_dct.ops.index_wire`); backward k values per row, as both sides keep the
 forward's indices): `forward_bytes`, `backward_bytes`, and the dense
 equivalent `dense_bytes` per direction, plus running totals and the number of
-active calls. The counts are the static sizes of the tensors that cross,
-values and indices; nothing else crosses when the input shape is static (with
-a dynamic shape the shape vector also crosses, which is not counted). The
+active calls. The counts are the sizes of the tensors that cross, values and
+indices; nothing else crosses when at most one axis of the input is unknown
+(with more, the shape vector also crosses, which is not counted). The
 backward bytes are set when the forward runs with training=True. If
 a default `tf.summary` writer is active, the first replica writes them as
 scalars `<name>/forward_bytes`, `<name>/backward_bytes`, `<name>/dense_bytes`
@@ -304,7 +304,6 @@ class SplitCore:
   def read_stats(self) -> dict[str, int]:
     """The accounting variables as Python ints (first replica's values)."""
     return {n: int(tf.convert_to_tensor(v).numpy()) for n, v in self.stats.items()}
-
 
 
 class SplitLayerMixin:

@@ -22,5 +22,6 @@ class DCTSplit(SplitLayerMixin, keras.layers.Layer):
         initializer="zeros", shape=shape, dtype=tf.as_dtype(dtype).name,
         trainable=False, aggregation="only_first_replica",
         synchronization="on_read", name=name)
-    setattr(self, f"_state_{name}", var)  # tracked by Keras
+    # An attribute: tracked by Keras and by tf.train.Checkpoint.
+    setattr(self, f"_state_{name}", var)
     return var

@@ -12,9 +12,10 @@ byte-aligned (uint8 for d <= 256, int16 for d <= 32768, int32 above) or
 bit-packed (ceil(log2 d) bits each in int32 words), whichever is smaller; see
 `tf_dct.ops.index_wire`. The receiver unpacks (or casts) the indices to int32
 for gather/scatter on its own device; only the encoded form crosses. All
-shapes are static in d and k (a static input shape also keeps the shape
-tensor off the wire), so the op compiles with `jit_compile=True` (on one
-device: XLA compiles a cluster for a single device).
+shapes are static in d and k, so the op compiles with `jit_compile=True` (on
+one device: XLA compiles a cluster for a single device). Nothing else
+crosses: with at most one unknown axis (e.g. the batch) the receiver infers
+the shape; with more, x's shape vector crosses too.
 
 Backward placement. This op pins its own backward ops (gather on the target,
 densify on the source). The backward ops of the layers after the split are
@@ -36,7 +37,6 @@ from tf_dct.ops.dct_mp import top_k_indices
 from tf_dct.ops.index_wire import decode_indices
 from tf_dct.ops.index_wire import encode_indices
 from tf_dct.ops.index_wire import index_bytes_per_row
-from tf_dct.ops.index_wire import index_dtype_for  # pylint: disable=unused-import
 
 DeviceLike = Union[str, Callable[[], ContextManager], None]
 
@@ -64,6 +64,18 @@ def device_scope(device: DeviceLike) -> ContextManager:
     return device()
   raise TypeError(f"device must be a string, a callable returning a context "
                   f"manager, or None, got {device!r}")
+
+
+def local_shape(x: tf.Tensor):
+  """A reshape target for x's shape that needs no tensor from x's device.
+
+  Static dimensions, with -1 for the unknown one if only one is unknown;
+  otherwise `tf.shape(x)` (which then crosses to wherever it is used).
+  """
+  dims = x.shape.as_list()
+  if dims.count(None) <= 1 and 0 not in dims:
+    return [-1 if n is None else n for n in dims]
+  return tf.shape(x)
 
 
 def gradient_device_scope(device: str | None) -> ContextManager:
@@ -118,8 +130,7 @@ def dct_mp_transfer(x, sparsity: float, target_device: DeviceLike,
     X ⊙ M on the target device, the same values as `dct_mp(x, sparsity)`.
   """
   x, d, k = check_input(x, sparsity, "dct_mp_transfer")
-  # A static shape keeps the shape tensor itself off the wire.
-  shape = x.shape if x.shape.is_fully_defined() else tf.shape(x)
+  shape = local_shape(x)  # keeps the shape tensor off the wire
 
   # Two single-device pieces, each under its own device scope, so that the
   # Identity ops tf.custom_gradient adds around a piece stay on that piece's

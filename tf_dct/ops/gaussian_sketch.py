@@ -45,8 +45,7 @@ def gaussian_sketch(x, sparsity: float, seed: int = 0,
   """
   x, d, r = check_input(x, sparsity, "gaussian_sketch")
 
-  # A static shape keeps the shape tensor itself off the wire.
-  shape = x.shape if x.shape.is_fully_defined() else tf.shape(x)
+  shape = compact_transfer.local_shape(x)  # keeps the shape tensor off the wire
   with compact_transfer.device_scope(source_device):
     s_source = sketch_matrix(d, r, seed, x.dtype)
     z = tf.matmul(tf.reshape(x, [-1, d]), s_source)  # crosses: [N, r]

@@ -15,16 +15,20 @@ is used (`packs(d, k)`), ties go to the byte-aligned one:
 Example: d = 512, k = 26 (sparsity 0.95): 9 bits per index, 234 bits in 8
 words, 32 bytes per row instead of 52 as int16.
 
-Both encodings have static shapes ([N, k] or [N, W], N the rows) and use
-only elementwise ops, reshapes and sums, so they compile with XLA
-(`jit_compile=True`). Packing works on one row at a time, so the size per row
-does not depend on N and N may be dynamic.
+Both encodings have static shapes ([N, k] or [N, W], N the rows): packing
+shifts each index to its offset in int64 and sums, per word, the parts that
+land in it (a gather with a static table); unpacking gathers each index's
+word (and the next, if it spills over) and shifts back. Only elementwise ops,
+gathers and sums, O(N * k), so they compile with XLA (`jit_compile=True`).
+Packing works on one row at a time, so the size per row does not depend on N
+and N may be dynamic.
 """
 
 from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import tensorflow as tf
 
 WORD_BITS = 32
@@ -87,27 +91,58 @@ def _check_rank_2(t: tf.Tensor, what: str, caller: str) -> None:
                      f"axis, got shape {t.shape}")
 
 
+def _layout(d: int, k: int):
+  """Static per-index word w, bit offset o and whether it spills into w + 1."""
+  b = index_bits(d)
+  start = np.arange(k, dtype=np.int64) * b
+  word, offset = start // WORD_BITS, start % WORD_BITS
+  return b, word, offset, offset + b > WORD_BITS
+
+
+def _word_table(d: int, k: int) -> np.ndarray:
+  """[W, P] positions in concat([low parts, high parts]) ([N, 2k]) per word.
+
+  Word q sums the low parts (bits below 32 after the shift) of the indices
+  starting in it and the high part of the index spilling into it. Unused
+  slots point at position k, the high part of index 0, which is always 0
+  (index 0 starts at bit 0 and b <= 31).
+  """
+  _, word, _, spills = _layout(d, k)
+  owner = np.concatenate([word, word[spills] + 1])
+  position = np.concatenate([np.arange(k), k + np.arange(k)[spills]])
+  order = np.argsort(owner, kind="stable")
+  owner, position = owner[order], position[order]
+  counts = np.bincount(owner, minlength=words_per_row(d, k))
+  slot = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+  table = np.full((len(counts), counts.max()), k, np.int32)
+  table[owner, slot] = position
+  return table
+
+
 def pack_indices(indices, d: int) -> tf.Tensor:
   """Bit-packs int32 indices [N, k] in [0, d) into int32 words [N, W].
 
-  Entries outside [0, d) are not detected: only their low b bits are kept.
+  Entries must lie in [0, d) (as top-k column indices do); others are not
+  detected and corrupt their neighbours' bits.
   """
   d = _check_d(d, "pack_indices")
   indices = tf.convert_to_tensor(indices)
   if indices.dtype != tf.int32:
     raise TypeError(f"pack_indices: indices must be int32, got {indices.dtype.name}")
   _check_rank_2(indices, "indices", "pack_indices")
-  k, b = indices.shape[1], index_bits(d)
-  w = words_per_row(d, k)
-  n = _rows(indices)
-  # Bit i of index j -> stream bit j * b + i -> bit t % 32 of word t // 32.
-  bits = tf.bitwise.bitwise_and(
-      tf.bitwise.right_shift(indices[:, :, None], tf.range(b, dtype=tf.int32)), 1)
-  bits = tf.pad(tf.reshape(bits, [n, k * b]), [[0, 0], [0, WORD_BITS * w - k * b]])
-  # Distinct powers of two, bit 31 as -2**31: every partial sum fits in int32.
-  weights = tf.constant([1 << i for i in range(WORD_BITS - 1)] + [-(1 << 31)],
-                        tf.int32)
-  return tf.reduce_sum(tf.reshape(bits, [n, w, WORD_BITS]) * weights, axis=-1)
+  k = indices.shape[1]
+  if words_per_row(d, k) == 0:  # d = 1 or k = 0: nothing to send
+    return tf.zeros(tf.stack([_rows(indices), 0]), tf.int32)
+  _, _, offset, _ = _layout(d, k)
+  # Index j shifted to its bit offset in word w_j: bits [0, 32) stay in w_j,
+  # bits [32, 64) spill into w_j + 1. In int64 no bit is lost.
+  shifted = tf.bitwise.left_shift(tf.cast(indices, tf.int64), offset)
+  parts = tf.concat([tf.bitwise.bitwise_and(shifted, 0xFFFFFFFF),
+                     tf.bitwise.right_shift(shifted, WORD_BITS)], axis=1)
+  # The parts summed into a word have disjoint bits: the sum is their OR,
+  # in [0, 2**32); the int32 word has the same bits.
+  words = tf.reduce_sum(tf.gather(parts, _word_table(d, k), axis=1), axis=-1)
+  return tf.bitcast(tf.cast(words, tf.uint32), tf.int32)
 
 
 def unpack_indices(words, d: int, k: int) -> tf.Tensor:
@@ -117,17 +152,22 @@ def unpack_indices(words, d: int, k: int) -> tf.Tensor:
   if words.dtype != tf.int32:
     raise TypeError(f"unpack_indices: words must be int32, got {words.dtype.name}")
   _check_rank_2(words, "words", "unpack_indices")
-  b, w = index_bits(d), words_per_row(d, k)
+  w = words_per_row(d, k)
   if words.shape[1] != w:
     raise ValueError(f"unpack_indices: words must have W = ceil(k * b / 32) = "
                      f"{w} columns for d = {d}, k = {k}, got shape {words.shape}")
-  n = _rows(words)
-  bits = tf.bitwise.bitwise_and(
-      tf.bitwise.right_shift(words[:, :, None], tf.range(WORD_BITS, dtype=tf.int32)),
-      1)
-  bits = tf.reshape(tf.reshape(bits, [n, w * WORD_BITS])[:, :k * b], [n, k, b])
-  weights = tf.constant([1 << i for i in range(b)], tf.int32, shape=[b])
-  return tf.reduce_sum(bits * weights, axis=-1)
+  if w == 0:
+    return tf.zeros(tf.stack([_rows(words), k]), tf.int32)
+  b, word, offset, spills = _layout(d, k)
+  unsigned = tf.bitwise.bitwise_and(tf.cast(words, tf.int64), 0xFFFFFFFF)
+  low = tf.bitwise.right_shift(tf.gather(unsigned, word, axis=1), offset)
+  # The bits of index j in word w_j + 1 (none unless it spills), moved up.
+  high_bits = np.where(spills, offset + b - WORD_BITS, 0)
+  high = tf.gather(unsigned, np.where(spills, word + 1, word), axis=1)
+  high = tf.bitwise.left_shift(
+      tf.bitwise.bitwise_and(high, (1 << high_bits) - 1), WORD_BITS - offset)
+  joined = tf.bitwise.bitwise_or(low, high)
+  return tf.cast(tf.bitwise.bitwise_and(joined, (1 << b) - 1), tf.int32)
 
 
 def encode_indices(indices: tf.Tensor, d: int) -> tf.Tensor:

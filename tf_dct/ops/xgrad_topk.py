@@ -51,8 +51,7 @@ def xgrad_topk(x, sparsity: float, residual: tf.Variable,
         f"{x.shape} has {rows} rows of d = {d}; the number of rows "
         "(per-replica batch, times middle axes) must be static and match")
 
-  # A static shape keeps the shape tensor itself off the wire.
-  shape = x.shape if x.shape.is_fully_defined() else tf.shape(x)
+  shape = compact_transfer.local_shape(x)  # keeps the shape tensor off the wire
   with compact_transfer.device_scope(source_device):
     x = tf.identity(x)
   source = x.device
