@@ -2,9 +2,11 @@ r"""DCT-MP benchmark: bytes per split (dense vs compact) and step time.
 
 Part 1, bytes. For a DLRM-like activation (batch 256, d = 512 and d = 64,
 float32) and sparsity eta in {0.75, 0.9, 0.95}: the dense bytes of one
-direction, the compact bytes (k values + k indices per row, uint8 indices for
-d <= 256, int16 up to 32768; backward only the k values, since both sides
-kept the indices), and the ratios. The compact count is also
+direction, the compact bytes (k values + k column indices per row, either
+byte-aligned (uint8 for d <= 256, int16 up to 32768) or bit-packed into
+ceil(log2 d)-bit fields in int32 words, whichever is smaller, see
+`tf_dct.ops.index_wire`; backward only the k values, since both sides kept
+the indices), and the ratios. The compact count is also
 measured: a step with `dct_mp_transfer` from /cpu:0 to /cpu:1 is traced (with
 `tf.gradients`, which keeps each backward op on its forward op's device) and
 the static sizes of all tensors on cross-device edges are summed, per
@@ -83,7 +85,9 @@ def bytes_table(batch: int) -> None:
       compact = ops.compact_bytes(batch, d, k, tf.float32)
       back = batch * k * 4  # values only: both sides kept the indices
       fwd, bwd = measured_bytes(batch, d, eta)
-      print(f"| {d} | {eta} | {k} | {ops.index_dtype_for(d).name} | {dense} | "
+      index = (f"{ops.index_bits(d)}-bit packed" if ops.index_wire.packs(d, k)
+               else ops.index_dtype_for(d).name)
+      print(f"| {d} | {eta} | {k} | {index} | {dense} | "
             f"{compact} / {back} | {fwd} / {bwd} | {dense / fwd:.2f}x | "
             f"{2 * dense / (fwd + bwd):.2f}x |")
 

@@ -363,13 +363,10 @@ class Job:
         return None
       j = len(self.split_layers)
       target = (j + 1) % k if k > 1 else None
-      # With a device target the layer needs a replica context of the
-      # replicator, which the symbolic call building a functional model does
-      # not have: apply_at_inference=False makes that call (training=None) an
-      # identity. Evaluation uses a twin model without targets (mask applied).
+      # Outside a replica (building the functional model, evaluation) a layer
+      # with a device target applies the same mask in place.
       layer = tf_dct.layers.DCTSplit(
           cfg["mp_sparsity"], target_logical_device=target,
-          apply_at_inference=False if target is not None else None,
           name=f"dct_split_{point}")
       self.split_layers.append(layer)
       return layer
@@ -383,18 +380,12 @@ class Job:
         metrics = spec.fit_metrics(spec) if spec.fit_metrics else None
         self.model.compile(optimizer=self.optimizer, loss=self._keras_loss(),
                            metrics=metrics)
-    self.eval_model = self.model
     if k > 1 and self.split_layers:
       self.placement = place_stages(self.model, self.split_layers, k)
-      # The split layers produce their output on another logical device, which
-      # needs a replica context; evaluation runs outside one, on an unplaced twin.
-      self.eval_model = spec.build(cfg, lambda p: tf_dct.layers.DCTSplit(
-          cfg["mp_sparsity"], name=f"dct_split_{p}") if p in splits else None)
-    # The compressor creates its per-variable state on first use; create it now
-    # so a restore fills it at once (and it can be inspected before step 1).
-    compressor = self.optimizer._tf_dct_compressor  # pylint: disable=protected-access
-    for v in self.model.trainable_variables:
-      compressor.state_for(v)
+    # Building the wrapped optimizer creates its slots and the compressor's
+    # state now, so a restore fills them at once (and the first step traces
+    # once).
+    self.optimizer.build(self.model.trainable_variables)
     self.ckpt = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
     model_dir = self._model_dir()
     if model_dir:
@@ -576,9 +567,7 @@ class Job:
     print(line, flush=True)
 
   def _evaluate(self) -> dict:
-    if self.eval_model is not self.model:
-      self.eval_model.set_weights(self.model.get_weights())
-    result = self.spec.evaluate(self.eval_model, self.cfg)
+    result = self.spec.evaluate(self.model, self.cfg)
     step = int(self.step.numpy())
     self.evals[step] = result
     for name, value in result.items():

@@ -35,7 +35,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
-  del config
+  # Under pytest-xdist only the controller leaves this way: a worker must
+  # close its channel to the controller normally (the controller tears the
+  # workers down, killing one that hangs).
+  if hasattr(config, "workerinput"):
+    return
   if _exit_status is not None and os.environ.get("TF_DCT_FAST_EXIT", "1") == "1":
     import sys  # pylint: disable=g-import-not-at-top
     sys.stdout.flush()
