@@ -8,14 +8,16 @@ def crossing(graph: tf.Graph) -> dict:
 
   A tensor consumed on a device other than its producer's crosses once per
   destination. Devices are compared by their last 5 characters ("CPU:1").
+  Bytes are None for a shape that is not fully known.
   """
   edges = {}
   for op in graph.get_operations():
     for t in op.inputs:
       src, dst = t.op.device[-5:], op.device[-5:]
       if src and dst and src != dst:
+        n = t.shape.num_elements()
         edges[(t.name, dst)] = (t.dtype, tuple(t.shape.as_list()),
-                                t.shape.num_elements() * t.dtype.size)
+                                None if n is None else n * t.dtype.size)
   return edges
 
 

@@ -92,6 +92,11 @@ class CompactTransferTest(tf.test.TestCase, parameterized.TestCase):
                      want)
     k = ops.num_kept(d, sparsity)
     self.assertEqual(crossing.bytes_to(edges, "CPU:1"), ops.compact_bytes(4, d, k, tf.float32))
+    # A dynamic batch: the same tensors (no shape vector crosses).
+    graph = step.get_concrete_function(tf.TensorSpec([None, d])).graph
+    self.assertEqual({(dtype, shape, dst) for (_, dst), (dtype, shape, _)
+                      in crossing.crossing(graph).items()},
+                     {(dtype, (None,) + shape[1:], dst) for dtype, shape, dst in want})
 
   def test_densify_runs_on_the_receiving_logical_device(self):
     repl = tf_dct.Replicator(num_devices_per_replica=2)

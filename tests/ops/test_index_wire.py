@@ -42,7 +42,7 @@ class IndexWireTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllEqual(ops.pack_indices(tf.zeros([3, 4], tf.int32), 1).shape, [3, 0])
 
   @parameterized.parameters((1, 3), (2, 5), (3, 7), (257, 26), (512, 26),
-                            (512, 64), (1000, 1), (32769, 33), (2**31, 9))
+                            (512, 64), (1000, 1), (32769, 33), (2**31, 9), (40000, 0))
   def test_round_trip(self, d, k):
     idx = _indices(d, k)
     words = ops.pack_indices(idx, d)
@@ -67,9 +67,15 @@ class IndexWireTest(tf.test.TestCase, parameterized.TestCase):
         ops.pack_indices(tf.zeros([2, 3], tf.int32), bad)
       with self.assertRaisesRegex(ValueError, r"d must be an int in \[1, 2\*\*31\]"):
         ops.index_bits(bad)
+      with self.assertRaisesRegex(ValueError, r"d must be an int in \[1, 2\*\*31\]"):
+        ops.index_dtype_for(bad)
     for bad in (-1, 1.5, None):
       with self.assertRaisesRegex(ValueError, "k must be an int >= 0"):
         ops.unpack_indices(tf.zeros([2, 1], tf.int32), 512, bad)
+      with self.assertRaisesRegex(ValueError, "k must be an int >= 0"):
+        ops.words_per_row(512, bad)
+      with self.assertRaisesRegex(ValueError, "k must be an int >= 0"):
+        ops.index_bytes_per_row(512, bad)
     with self.assertRaisesRegex(TypeError, "indices must be int32, got int64"):
       ops.pack_indices(tf.zeros([2, 3], tf.int64), 512)
     with self.assertRaisesRegex(ValueError, "indices must have rank 2"):
