@@ -4,7 +4,7 @@ Written straight from the algorithm, one replica at a time, with the
 conventions documented in tf_dct/compression/dct_dp.py: 0-based ascending order
 statistic w_m with m = floor(n * sparsity), i.e. the k-th largest with
 k = n - m (threshold 0 when m = 0), `>=` mask
-(ties selected), at most C entries on the wire (the first ones in flat order),
+(ties selected) over the non-zero entries (a zero carries nothing), at most C entries on the wire (the first ones in flat order),
 threshold refresh when (k - warmup_steps) % L == 0, dense steps (warmup or
 n < min_size) that send g + E and clear E.
 """
@@ -67,7 +67,7 @@ def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
         if (k - warmup_steps) % threshold_life == 0:          # line 3
           w = np.sort(np.abs(acc))                            # line 4, ascending
           tau[r] = w[m] if m >= 1 else dtype.type(0)          # line 5, 0-based w_m
-        selected = np.abs(acc) >= tau[r]                      # line 9
+        selected = (np.abs(acc) >= tau[r]) & (acc != 0)       # line 9, zeros carry nothing
         before = np.cumsum(selected) - selected               # selected entries before
         sent_mask = selected & (before < cap)                 # what fits the wire
       sent = np.where(sent_mask, acc, dtype.type(0))          # line 10

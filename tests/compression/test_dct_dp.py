@@ -179,16 +179,40 @@ def _guard_reference(grads, sparsity, life, factor, band):
     for r in range(replicas):
       acc = step[r] + res[r]
       scheduled = k % life == 0
-      count = np.sum(np.abs(acc) >= tau[r])
+      count = np.sum((np.abs(acc) >= tau[r]) & (acc != 0))
       out = count < band[0] * expected or count > band[1] * expected
       if scheduled or out:
         early[r] += int(not scheduled)
         tau[r] = np.sort(np.abs(acc))[m]
-      selected = np.abs(acc) >= tau[r]
+      selected = (np.abs(acc) >= tau[r]) & (acc != 0)
       fits = selected & (np.cumsum(selected) - selected < cap)
       res[r] = np.where(fits, 0, acc).astype(np.float32)
     taus.append(list(tau))
   return taus, res, early
+
+
+class ZeroThresholdTest(tf.test.TestCase):
+
+  def test_few_non_zeros_are_all_sent_when_tau_is_zero(self):
+    # An embedding-like gradient: 3 non-zero entries of 400, at the end of
+    # the flat order. k = 4 > 3, so tau = w_396 = 0; zeros must not take the
+    # 8 wire slots ahead of the non-zero entries.
+    n = 400
+    g = np.zeros(n, np.float32)
+    g[-3:] = [0.5, -2.0, 1.0]
+    grads = [[[g]], [[g * 0]]]
+    *_, history = harness.run(
+        DCTDP(sparsity=0.99, threshold_life=1000), grads, 1, shapes=[(n,)])
+    (out, states) = history[0]
+    self.assertEqual(states[0]["threshold"][0], 0.0)
+    self.assertAllEqual(out[0][0], g)           # everything non-zero went out
+    self.assertAllEqual(states[0]["residual"][0], np.zeros(n))
+    self.assertEqual(states[0]["sent"][0], 3)
+    self.assertEqual(states[0]["overflow"][0], 0)
+    ref = reference.dct_dp_reference([[x[0] for x in step] for step in grads],
+                                     sparsity=0.99, threshold_life=1000,
+                                     capacity_factor=2.0)
+    self.assertAllEqual(ref[0].update, g)
 
 
 class DensityGuardTest(tf.test.TestCase):

@@ -289,7 +289,7 @@ class AsyncPush:
     tau = tf.cond(refresh,
                   lambda: dct_dp.order_statistic_threshold(magnitude, m),  # lines 4-5
                   lambda: old_tau)                                     # line 7
-    mask = magnitude >= tau                                            # line 9
+    mask = tf.logical_and(magnitude >= tau, magnitude > 0)             # line 9 (zeros carry nothing)
     idx, val, count, fitted = sparse_wire.compact(acc, mask, cap)
     dense_step = tf.logical_or(drain, warm)
     lr = tf.constant(self.learning_rate, var.dtype)

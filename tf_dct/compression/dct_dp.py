@@ -300,8 +300,9 @@ class DCTDP(Compressor):
     if self.density_band is not None:  # beyond the paper: density guard
       low, high = self.density_band
       expected = n - m
-      reused = tf.cast(tf.reduce_sum(tf.cast(
-          magnitude >= threshold.read_value(), tf.int32)), tf.float64)
+      reused = tf.cast(tf.reduce_sum(tf.cast(tf.logical_and(
+          magnitude >= threshold.read_value(), magnitude > 0), tf.int32)),
+                       tf.float64)
       early = tf.logical_and(
           tf.logical_not(refresh),
           tf.logical_or(reused < low * expected, reused > high * expected))
@@ -312,7 +313,11 @@ class DCTDP(Compressor):
         refresh,
         lambda: order_statistic_threshold(magnitude, m),           # DCT Algorithm 1 lines 4-5
         threshold.read_value)                                      # DCT Algorithm 1 line 7
-    mask = magnitude >= tau                                        # DCT Algorithm 1 line 9
+    # DCT Algorithm 1 line 9, zeros excepted: they carry nothing, and with
+    # tau = 0 (fewer than k non-zero entries, e.g. an embedding table whose
+    # rows were not touched yet) they would fill the wire in flat order and
+    # hold back the non-zero entries behind them until the next refresh.
+    mask = tf.logical_and(magnitude >= tau, magnitude > 0)
     if warm is not None:
       mask = tf.logical_and(mask, tf.logical_not(warm))
     idx, val, count, fitted = sparse_wire.compact(acc, mask, cap)
