@@ -22,16 +22,19 @@ Printed per configuration: step time over the timed steps (after
 --warmup_steps untimed steps), bytes per worker and step from tf_dct's
 accounting and from the veth counters over exactly the timed steps (the
 workers stop at a file handshake at both ends of the window, when every
-collective of the step before has completed on both sides), their ratio,
-link utilization (wire bytes / (rate x time), per direction), test loss on a
-fixed eval set after --steps steps, and ratios vs dense of the same run.
+collective of the step before has completed on both sides), their ratio, the
+TCP payload (wire minus 66 header bytes per frame; GSO is off so every packet
+is one frame), packets, CPU time per step, link utilization (wire bytes /
+(rate x time), per direction), test loss on a fixed eval set after --steps
+steps, and ratios vs dense of the same run. Results: docs/benchmarks.md.
 
 Needs root (namespaces, veth, tc); refuses to start otherwise. Namespaces and
-worker process groups are removed on exit, error, Ctrl-C and SIGTERM; after a
-SIGKILL, `--cleanup_stale` removes what a dead run left behind.
+worker process groups are removed on exit, error, Ctrl-C and SIGTERM (workers
+also die with the driver via PR_SET_PDEATHSIG); after a SIGKILL of the driver,
+`--cleanup_stale` deletes the namespaces it left behind.
 
-  sudo python bench/e2e_link.py --quick                       # ~5 min
-  sudo python bench/e2e_link.py --rate=1gbit --delay=0.5ms
+  sudo python bench/e2e_link.py --quick                       # ~4 min on 2 cores
+  sudo python bench/e2e_link.py --rate=1gbit --delay=0.5ms    # ~30 min
   sudo python bench/e2e_link.py --rate=100mbit --delay=0.5ms --configs=dense,dctdp
 """
 
@@ -63,10 +66,11 @@ NS_PREFIX = "dcte2e_"
 SUBNET = "10.77.0"
 NUM_WORKERS = 2
 NUM_TABLES, EMBEDDING_DIM = 26, 16  # DLRM (DCT §3.1)
+FRAME_HEADER_BYTES = 14 + 20 + 32  # Ethernet + IPv4 + TCP with timestamps
 
 # --quick / full defaults of the flags left unset (None).
 QUICK = {"vocab_size": 2000, "steps": 10, "warmup_steps": 4, "eval_steps": 4}
-FULL = {"vocab_size": 20000, "steps": 60, "warmup_steps": 5, "eval_steps": 20}
+FULL = {"vocab_size": 20000, "steps": 100, "warmup_steps": 5, "eval_steps": 20}
 
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 _DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -243,6 +247,19 @@ class Shaping:
   commands: list
 
 
+def _die_with_parent() -> None:
+  """In the child before exec: SIGKILL when the driver dies, even by SIGKILL.
+
+  `ip netns exec`, `nice` and python exec in turn, so the worker keeps the
+  setting. Best effort (Linux prctl PR_SET_PDEATHSIG).
+  """
+  try:
+    import ctypes  # pylint: disable=g-import-not-at-top
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+  except (OSError, AttributeError):
+    pass
+
+
 class Testbed:
   """Two namespaces joined by a shaped veth pair, and the workers inside them.
 
@@ -352,7 +369,7 @@ class Testbed:
            sys.executable, "-u", WORKER, *argv]
     with open(log_path, "w", encoding="utf-8") as log:
       proc = self.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                        start_new_session=True)
+                        start_new_session=True, preexec_fn=_die_with_parent)
     self.procs.append(proc)
     return proc
 
@@ -573,11 +590,16 @@ def summarize(raw: dict, rate_bps: float) -> dict:
   return {
       "config": raw["config"], "timed_steps": timed,
       "step_ms": 1e3 * seconds / timed, "median_step_ms": 1e3 * statistics.median(steps),
+      "cpu_ms": (1e3 * statistics.mean(x["cpu_seconds"] for x in w) / timed
+                 if all("cpu_seconds" in x for x in w) else None),
       "acct_bytes": acct, "wire_bytes": wire_mean, "wire_bytes_per_worker": wire,
       "wire_over_acct": wire_mean / acct if acct else math.inf,
       "dense_bytes": statistics.mean(x["per_step"]["dp_dense_bytes"] for x in w),
       "utilization": wire_mean * timed * 8 / (rate_bps * seconds),
       "qdisc_drops": drops, "wire_packets": statistics.mean(packets),
+      # Without GSO every packet is one frame: Ethernet 14 + IPv4 20 + TCP 32
+      # (with timestamps) bytes of headers; what is left is TCP payload (gRPC).
+      "tcp_payload_bytes": wire_mean - FRAME_HEADER_BYTES * statistics.mean(packets),
       "mp_bytes": w[0]["per_step"].get("mp_bytes", 0),
       "mp_dense_bytes": w[0]["per_step"].get("mp_dense_bytes", 0),
       "test_loss": w[0]["eval"]["loss"], "test_auc": w[0]["eval"].get("auc"),
@@ -598,10 +620,12 @@ def report(rows: list[dict], args: argparse.Namespace, shaping: Shaping,
            out=sys.stdout) -> dict:
   """Prints the markdown table and the verdict; returns the verdict."""
   dense = next((r for r in rows if r["config"] == "dense"), None)
-  print("\n| config | step ms (mean / median) | vs dense | accounting MB/step/worker "
-        "| wire MB/step/worker (veth tx) | wire / accounting | link util | qdisc drops "
-        "| test loss | loss vs dense | MP MB/step would cross (dense) |", file=out)
-  print("|" + "---|" * 11, file=out)
+  print("\n| config | step ms (mean / median) | vs dense | CPU ms/step/worker "
+        "| accounting MB/step/worker "
+        "| wire MB/step/worker (veth tx) | wire / accounting | TCP payload / accounting "
+        "| packets/step | link util | qdisc drops | test loss | loss vs dense "
+        "| MP MB/step would cross (dense) |", file=out)
+  print("|" + "---|" * 14, file=out)
   verdict = {"step_ratio": {}, "loss_rel": {}, "agreement": {}}
   for r in rows:
     ratio = r["step_ms"] / dense["step_ms"] if dense else None
@@ -610,12 +634,15 @@ def report(rows: list[dict], args: argparse.Namespace, shaping: Shaping,
     if dense and r is not dense:
       verdict["step_ratio"][r["config"]] = ratio
       verdict["loss_rel"][r["config"]] = rel
+    cpu = "-" if r.get("cpu_ms") is None else f"{r['cpu_ms']:.0f}"
     mp = (f"{_mb(r['mp_bytes'])} ({_mb(r['mp_dense_bytes'])})" if r["mp_dense_bytes"]
           else "-")
+    payload = r["tcp_payload_bytes"] / r["acct_bytes"] if r["acct_bytes"] else math.inf
     print(f"| {r['config']} | {r['step_ms']:.1f} / {r['median_step_ms']:.1f} | "
-          f"{'-' if ratio is None else f'{ratio:.3f}x'} | {_mb(r['acct_bytes'])} | "
-          f"{_mb(r['wire_bytes'])} | {r['wire_over_acct']:.3f} | "
-          f"{100 * r['utilization']:.1f}% | {r['qdisc_drops']} | {r['test_loss']:.5f} | "
+          f"{'-' if ratio is None else f'{ratio:.3f}x'} | {cpu} | "
+          f"{_mb(r['acct_bytes'])} | {_mb(r['wire_bytes'])} | {r['wire_over_acct']:.3f} | "
+          f"{payload:.3f} | {r['wire_packets']:.0f} | {100 * r['utilization']:.1f}% | "
+          f"{r['qdisc_drops']} | {r['test_loss']:.5f} | "
           f"{'-' if rel is None else f'{100 * rel:+.3f}%'} | {mp} |", file=out)
   lines = []
   if dense:

@@ -12,7 +12,8 @@ what the benchmark needs, in `TimedJob._after_step`:
   ready, i.e. when every collective of the step before has completed on both
   sides, so the counter window is exactly the timed steps;
 * per-step wall times inside the window (`float(loss)` in the loop waits for
-  each step, so a step's time includes its collectives);
+  each step, so a step's time includes its collectives), and the worker's
+  CPU time (all threads) over the window;
 * the DP accounting (`optimizer.communication_stats()`) and the DCT-MP split
   accounting (`DCTSplit.bytes_stats()`) at both ends of the window. They are
   read outside the counter window (before `ready_start`, after `go_end`).
@@ -174,6 +175,7 @@ class TimedJob(train.Job):
       super()._after_step(loss, train_metrics, evaluate)
       self.window["start"] = self._snapshot()
       self.handshake.signal_and_wait("start")
+      self.window["cpu0"] = time.process_time()
       self._t_prev = self.window["t0"] = time.perf_counter()
       return
     if step > self.warmup:
@@ -181,6 +183,7 @@ class TimedJob(train.Job):
       self._t_prev = now
     if step == self.cfg["steps"]:
       self.window["t1"] = now
+      self.window["cpu1"] = time.process_time()
       self.handshake.signal_and_wait("end", {"seconds": now - self.window["t0"]})
       self.window["end"] = self._snapshot()
     super()._after_step(loss, train_metrics, evaluate)
@@ -227,6 +230,9 @@ def main(argv=None) -> None:
   result = {
       "config": args.config, "index": index, "timed_steps": timed,
       "window_seconds": job.window["t1"] - job.window["t0"],
+      # CPU seconds of every thread of this worker in the window: the compute
+      # cost, much less sensitive than wall time to other load on the machine.
+      "cpu_seconds": job.window["cpu1"] - job.window["cpu0"],
       "step_times": job.step_times,
       "per_step": per_step, "last_density": end["density"],
       "eval": summary["eval"], "losses": summary["losses"],
