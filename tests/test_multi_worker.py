@@ -354,7 +354,10 @@ class MixedConfigTest(tf.test.TestCase):
           same = tf_keras.optimizers.SGD(0.1)
           repl.wrap_optimizer(same, compression=compression.DCTDP(sparsity=0.9))
           out["same_wrapped"] = hasattr(same, "_tf_dct_compressor")
+        out["done"] = True
         u.write_result(args.result_dir, out)
+        # Worker 0 hosts the coordination service: nobody leaves early.
+        assert u.wait_for_peers(args.result_dir, u.cluster_size(), timeout=60)
         os._exit(0)
         """))
     # A hang would hit the timeout (and fail); the check itself takes

@@ -186,11 +186,17 @@ class MultiWorkerReplicator(ReplicatorMixin,
       key = f"tf_dct/agree/{base}/{topic}/{w}"
       try:
         theirs[w] = json.loads(get(key, int(timeout * 1000)))
-      except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
+      except tf.errors.DeadlineExceededError as e:
         raise PeerFailureError(
             f"MultiWorkerReplicator (worker {self.worker_index}): worker {w} "
             f"did not report its {topic} settings within {timeout:g} s; is it "
             "running the same program?", timeout, e) from e
+      except tf.errors.UnavailableError as e:
+        raise PeerFailureError(
+            f"MultiWorkerReplicator (worker {self.worker_index}): could not "
+            f"read worker {w}'s {topic} settings: the coordination service "
+            "(hosted by worker 0) is unreachable; did worker 0 exit or die?",
+            timeout, e) from e
     differ = sorted({k for c in theirs.values() for k in set(c) | set(config)
                      if any(c.get(k) != config.get(k) for c in theirs.values())})
     if differ:
