@@ -48,17 +48,20 @@ def common_argv(args: argparse.Namespace) -> list[str]:
 
 
 def logical_cpus(wanted: int) -> list[str]:
-  """Splits the CPU into `wanted` logical devices, or keeps an earlier split.
+  """All logical CPUs, splitting the CPU into max(wanted, 4) if TF is fresh.
 
   `tf_dct.split_cpu` works only before TensorFlow initializes its devices, so
-  when an earlier study of the same process (`reproduce.py all`) already
-  split the CPU, its devices are returned unchanged (possibly fewer than
-  `wanted`); callers size their real-replica runs by the length of the list.
+  the first study of a `reproduce.py all` process fixes the split for every
+  later one: at least 4 devices, which the 4-replica studies need (the DCT
+  table studies' helper in dct_table1_mp.py splits the same way). When an
+  earlier study already split the CPU its devices are returned unchanged,
+  possibly fewer than `wanted`; callers size their real-replica runs by the
+  length of the list.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_dct  # pylint: disable=g-import-not-at-top
   try:
-    return tf_dct.split_cpu(wanted)
+    return tf_dct.split_cpu(max(wanted, 4))
   except RuntimeError:
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
@@ -70,6 +73,19 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
            "|" + "---|" * len(headers)]
   lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+def _without_out_dir(argv: Sequence[str]) -> list[str]:
+  """`argv` minus `--out_dir X` / `--out_dir=X` (not part of the recipe)."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+    elif a == "--out_dir":
+      skip = True
+    elif not a.startswith("--out_dir="):
+      out.append(a)
+  return out
 
 
 def write(name: str, result: Result, args: argparse.Namespace, seconds: float,
@@ -90,8 +106,7 @@ def write(name: str, result: Result, args: argparse.Namespace, seconds: float,
     fig.savefig(png, dpi=100)
     plt.close(fig)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  command = "python bench/reproduce.py " + " ".join(
-      a for a in argv if not a.startswith("--out_dir"))
+  command = "python bench/reproduce.py " + " ".join(_without_out_dir(argv))
   md = [f"# {result.title}", "",
         f"Command: `{command}` ({'quick' if args.quick else 'full'} mode, "
         f"{seconds:.0f} s). Machine: {os.cpu_count()} cores, CPU only, "

@@ -91,26 +91,38 @@ def run(args: argparse.Namespace) -> common.Result:
                      f"(end ratio {ratio:.2f})")
     return "; ".join(parts)
 
-  def holds(opt):
-    return [cd < cb and ratio < 1 for o, s, cb, cd, ratio in verdicts if o == opt]
+  def grade(cb, cd, ratio):
+    """2: the paper's claim (tau falls with DCT-MP, ends >= 10% lower);
+    1: only ends lower; 0: ends at or above the uncompressed run."""
+    if cd < 0 and cd < cb and ratio <= 0.9:
+      return 2
+    return 1 if ratio < 1 else 0
 
   lines = []
   for opt in optimizers:
-    ok = holds(opt)
-    status = ("reproduces" if all(ok) else
-              "does not reproduce" if not any(ok) else "reproduces partly")
-    lines.append(f"- **{opt.upper()}: {status}** ({sum(ok)}/{len(ok)} sparsity "
-                 f"levels have tau falling more, or rising less, with DCT-MP "
-                 f"and ending below the uncompressed run). Change of the mean "
-                 f"tau from iteration 0 to {iterations}: {said(opt)}.")
-  verdict = ("The paper's claim (tau falls significantly faster with DCT-MP) "
-             "is checked per optimizer and eta: the change of the mean tau over "
-             "the run with DCT-MP must be below the uncompressed run's, and the "
-             "final tau lower.\n\n" + "\n".join(lines) + "\n\n"
-             "Caveat: a 16-128-64-1 MLP on synthetic data, not DLRM on Criteo; "
-             "the effect of masking depends on the optimizer (Adam's per-weight "
-             "scaling undoes much of the masked gradient's shrinkage), so the "
-             "SGD runs are the closer analogue of the paper's DLRM (SGD).")
+    grades = [grade(cb, cd, ratio) for o, _, cb, cd, ratio in verdicts if o == opt]
+    status = ("reproduces" if min(grades) == 2 else
+              "does not reproduce" if max(grades) == 0 else "reproduces partly")
+    lines.append(
+        f"- **{opt.upper()}: {status}.** {grades.count(2)}/{len(grades)} levels "
+        f"show the claim in full, {grades.count(1)} only end lower with "
+        f"DCT-MP, {grades.count(0)} end at or above. Change of the mean tau "
+        f"from iteration 0 to {iterations}: {said(opt)}.")
+  falls = [f"{o.upper()} eta={s:g}" for o, s, _, cd, _ in verdicts if cd < 0]
+  lines.append("- The mean tau falls over the run with DCT-MP in: "
+               + (", ".join(falls) if falls else
+                  "no run (it rises in every run)")
+               + ".")
+  verdict = ("The paper's claim: with DCT-MP the mean tau falls, and "
+             "significantly faster than without. Graded per optimizer and "
+             "eta: in full when tau falls over the run with DCT-MP, by more "
+             "than without, and ends at least 10% below the uncompressed "
+             "run; partly when it only ends lower.\n\n" + "\n".join(lines) +
+             "\n\nCaveat: a 16-128-64-1 MLP on synthetic data, not DLRM on "
+             "Criteo, and {iterations} iterations, not an epoch of Criteo. "
+             "The paper trains DLRM with SGD, so the SGD rows are the closer "
+             "analogue; the outcome depends on the optimizer.").replace(
+                 "{iterations}", str(iterations))
   settings = f"""
 - Training and measurement: `bench/fig5_threshold.py` (`make_data`, `train`),
   imported. MLP 16 -> 128 (ReLU) -> [`layers.DCTSplit(eta)` for DCT-MP runs] -> 64
