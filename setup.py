@@ -19,5 +19,8 @@ setup(
         "absl-py",
         "numpy",
     ],
-    extras_require={"test": ["pytest", "pytest-xdist"]},
+    # bench/ studies draw their plots with matplotlib; the tests run tiny
+    # versions of them, so the test extra needs it too.
+    extras_require={"test": ["pytest", "pytest-xdist", "matplotlib>=3.8"],
+                    "bench": ["matplotlib>=3.8"]},
 )

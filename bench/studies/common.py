@@ -47,23 +47,29 @@ def common_argv(args: argparse.Namespace) -> list[str]:
   return argv + (["--quick"] if args.quick else [])
 
 
-def logical_cpus(wanted: int) -> list[str]:
+def logical_cpus(wanted: int, strict: bool = False) -> list[str]:
   """All logical CPUs, splitting the CPU into max(wanted, 4) if TF is fresh.
 
   `tf_dct.split_cpu` works only before TensorFlow initializes its devices, so
   the first study of a `reproduce.py all` process fixes the split for every
-  later one: at least 4 devices, which the 4-replica studies need (the DCT
-  table studies' helper in dct_table1_mp.py splits the same way). When an
+  later one: at least 4 devices, which the 4-replica studies need. When an
   earlier study already split the CPU its devices are returned unchanged,
   possibly fewer than `wanted`; callers size their real-replica runs by the
-  length of the list.
+  length of the list, or pass `strict=True` to get exactly the first `wanted`
+  devices or a RuntimeError.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_dct  # pylint: disable=g-import-not-at-top
   try:
-    return tf_dct.split_cpu(max(wanted, 4))
+    devices = tf_dct.split_cpu(max(wanted, 4))
   except RuntimeError:
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+  if not strict:
+    return devices
+  if len(devices) < wanted:
+    raise RuntimeError(f"need {wanted} logical CPUs, TensorFlow was initialized "
+                       f"with {len(devices)}")
+  return devices[:wanted]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

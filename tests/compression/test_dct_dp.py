@@ -56,7 +56,9 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
   def test_matches_reference(self, replicas, extra):
     kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5, **extra)
     grads = harness.gradients(12, replicas, seed=replicas)
-    _, _, history = self._compare(DCTDP(**kwargs), grads, replicas, kwargs)
+    # density_band=None: Algorithm 1 as written, which the reference implements.
+    _, _, history = self._compare(DCTDP(density_band=None, **kwargs), grads,
+                                  replicas, kwargs)
     # The run exercised what it is meant to: sparse steps and, thanks to the
     # tied variable, threshold ties beyond capacity.
     sent = np.array([h[1][0]["sent"] for h in history])
@@ -78,7 +80,8 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
     big = [[rng.uniform(1.0, 2.0, size=(n,)).astype(np.float32)]
            for _ in range(replicas)]
     grads = [small, big]
-    *_, history = harness.run(DCTDP(**kwargs), grads, replicas, shapes=[(n,)])
+    *_, history = harness.run(DCTDP(density_band=None, **kwargs), grads, replicas,
+                              shapes=[(n,)])
     ref = reference.dct_dp_reference([[g[0] for g in s] for s in grads], **kwargs)
     (out0, st0), (out1, st1) = history
     state0, state1 = st0[0], st1[0]
@@ -103,8 +106,8 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
     grads = harness.gradients(7, 1, seed=11)
     # jit_compile=True turns any op XLA cannot compile into an error, so the
     # run itself proves the step (dense, warmup and sparse paths) compiles.
-    repl, step_fn, _ = self._compare(DCTDP(**kwargs), grads, 1, kwargs,
-                                     jit_compile=True)
+    repl, step_fn, _ = self._compare(DCTDP(density_band=None, **kwargs), grads, 1,
+                                     kwargs, jit_compile=True)
     step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
     self.assertTrue(step.replicated_step._jit_compile)  # pylint: disable=protected-access
 
@@ -215,18 +218,23 @@ class ZeroThresholdTest(tf.test.TestCase):
     self.assertAllEqual(ref[0].update, g)
 
 
-class DensityGuardTest(tf.test.TestCase):
+class DensityGuardTest(tf.test.TestCase, parameterized.TestCase):
 
-  def test_drifting_scale_refreshes_early_and_conserves(self):
-    replicas, steps, n = 2, 10, 50
+  # XLA on one replica: a jit-compiled step of several local replicas is one
+  # XLA cluster on one device, which cannot reach the other replicas' state.
+  @parameterized.named_parameters(("eager", False, 2), ("xla", True, 1))
+  def test_drifting_scale_refreshes_early_and_conserves(self, jit, replicas):
+    steps, n = 10, 50
     kwargs = dict(sparsity=0.9, threshold_life=1000, capacity_factor=2.0)
     band = (0.5, 2.0)
     rng = np.random.default_rng(7)
     # The scale grows 1.5x per step: a reused tau selects ever more entries.
     grads = [[[(rng.normal(size=n) * 1.5**t).astype(np.float32)]
               for _ in range(replicas)] for t in range(steps)]
-    guarded = DCTDP(density_band=band, **kwargs)
-    *_, history = harness.run(guarded, grads, replicas, shapes=[(n,)])
+    guarded = DCTDP(**kwargs)  # the default band is (0.5, 2.0)
+    self.assertEqual(guarded.density_band, band)
+    *_, history = harness.run(guarded, grads, replicas, shapes=[(n,)],
+                              jit_compile=jit)
     ref_taus, ref_res, ref_early = _guard_reference(
         [[g[0] for g in s] for s in grads], band=band, life=1000,
         sparsity=0.9, factor=2.0)
@@ -244,11 +252,31 @@ class DensityGuardTest(tf.test.TestCase):
     self.assertAllClose(applied + sum(final), total, atol=1e-5 * np.abs(total).max(),
                         rtol=0)
     # Without the guard the same run never refreshes after step 0.
-    plain = DCTDP(**kwargs)
+    plain = DCTDP(density_band=None, **kwargs)
     harness.run(plain, grads, replicas, shapes=[(n,)])
     counters = plain.communication_stats()["variables"]["w0"]["counters"]
     self.assertNotIn("early_refreshes", counters)
-    self.assertEqual(counters["refreshes"], [1, 1])
+    self.assertEqual(counters["refreshes"], [1] * replicas)
+
+  def test_default_guard_avoids_the_cold_start(self):
+    # Stationary gradients: tau from step 0 (residual 0) is too low once error
+    # feedback builds up, so Algorithm 1 with a long life keeps selecting
+    # far more than K; the default guard brings the selection back to K.
+    n, steps, sparsity = 200, 40, 0.9
+    k = dct_dp.expected_count(n, sparsity)
+    rng = np.random.default_rng(11)
+    grads = [[[rng.normal(size=n).astype(np.float32)]] for _ in range(steps)]
+    selected = {}
+    for name, band in (("literal", None), ("default", (0.5, 2.0))):
+      compressor = DCTDP(sparsity, threshold_life=1000, density_band=band)
+      *_, history = harness.run(compressor, grads, 1, shapes=[(n,)])
+      selected[name] = np.array([st[0]["sent"][0] + st[0]["overflow"][0]
+                                 for _, st in history])
+    late = slice(steps // 2, steps)
+    self.assertGreater(selected["literal"][late].mean(), 2 * k)  # about 2.5 K
+    self.assertTrue(np.all(selected["default"][late] >= k // 2), selected["default"])
+    self.assertTrue(np.all(selected["default"][late] <= 2 * k), selected["default"])
+    self.assertEqual(DCTDP().density_band, (0.5, 2.0))
 
   def test_bad_band_and_encoding(self):
     for band in [(0.5,), (1.5, 2.0), (0.5, 0.9), (-0.1, 2.0), (0.5, float("inf")),

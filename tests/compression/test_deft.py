@@ -156,6 +156,32 @@ class PlanTest(tf.test.TestCase):
         self.assertBetween(sum(k), low, k_total + len(sizes) - 1)
 
 
+class OwnedTopKTest(tf.test.TestCase, parameterized.TestCase):
+  """The top-k size ladder keeps exactly the positions one top-k of K_x keeps."""
+
+  def test_ladder(self):
+    self.assertEqual(deft.top_k_sizes(64), [64])
+    self.assertEqual(deft.top_k_sizes(10), [10])
+    self.assertEqual(deft.top_k_sizes(300), [64, 128, 256, 300])
+
+  @parameterized.named_parameters(("eager", False), ("xla", True))
+  def test_matches_sorted_numpy_prefix(self, jit):
+    n, bound = 700, 300
+    rng = np.random.default_rng(5)
+    # Quantized magnitudes: many ties, which must go to the lower position.
+    magnitude = np.round(rng.uniform(0, 1, n) * 50).astype(np.float32)
+    expected = np.argsort(-magnitude, kind="stable")
+    select = tf.function(deft.owned_top_k, jit_compile=jit)
+    x = tf.constant(magnitude)
+    # Every rung of [64, 128, 256, 300], both sides of each boundary.
+    for k in (1, 63, 64, 65, 128, 129, 256, 257, 299, 300):
+      got = select(x, tf.constant(k), bound, tf.constant(True)).numpy()
+      self.assertEqual(got.shape, (bound,))
+      self.assertAllEqual(got[:k], expected[:k], msg=f"k={k}")
+    self.assertAllEqual(select(x, tf.constant(5), bound, tf.constant(False)),
+                        np.zeros(bound, np.int32))
+
+
 class DensityTest(tf.test.TestCase):
   """Achieved density at 2, 4 and 8 replicas (numpy simulation of the plan)."""
 

@@ -54,14 +54,23 @@ them exactly):
   and the paper's order statistic is over all N entries. The wire carries
   only the selected entries either way. Variables below `min_size` are
   densified (they go through a dense all-reduce).
-* Density guard (beyond the paper, `density_band=(low, high)`): on a step
-  that would reuse tau, if the entries selecting with the old tau number
-  fewer than low * K or more than high * K (local density outside
-  [low * K / N, high * K / N]), tau is recomputed in the same step (no
-  collective is involved, so it stays a local `tf.cond`). Such early
+* Density guard (beyond the paper, `density_band=(low, high)`, on by default
+  with (0.5, 2.0)): on a step that would reuse tau, if the entries selecting
+  with the old tau number fewer than low * K or more than high * K (local
+  density outside [low * K / N, high * K / N]), tau is recomputed in the same
+  step (no collective is involved, so it stays a local `tf.cond`). Such early
   refreshes are counted per variable and replica (`communication_stats()`,
   counter "early_refreshes"). It costs one more compare-and-count pass over
-  the accumulator per step.
+  the accumulator per step. Why on by default: Algorithm 1 as written takes
+  its first tau at k = 0, from g_0 alone, before error feedback has built up
+  any residual. Over the next steps |g + E| grows several times past it (3 to
+  47x in docs/reproduction/dct_fig2_tau.md), so the reused tau selects 6-12 K
+  per step for L - 1 steps (the capacity sends 2 K in flat order and starves
+  the entries late in the layer), and the refresh at k = L, taken on that
+  inflated residual, then selects almost nothing for another L steps. The
+  guard refreshes as soon as the selection leaves [K / 2, 2 K]; while tau is
+  as stable as the paper's Fig 2 it never fires and the run is Algorithm 1's.
+  `density_band=None` gives Algorithm 1 exactly.
 * Index encoding: `index_encoding` ("auto" by default) picks the wire layout
   of positions, see `sparse_wire`; the chunked layouts cut the index bytes
   to 1-2 per slot plus per-chunk counts.
@@ -155,9 +164,11 @@ class DCTDP(Compressor):
       an int >= 0.
     warmup_steps: steps during which every variable goes dense, an int >= 0.
     name: module name.
-    density_band: None (off) or `(low, high)` with 0 <= low <= 1 <= high,
-      low < high: refresh tau early when this replica's local density of a
-      variable leaves [low * K / N, high * K / N].
+    density_band: `(low, high)` with 0 <= low <= 1 <= high, low < high:
+      refresh tau early when this replica's local density of a variable
+      leaves [low * K / N, high * K / N] (beyond the paper; it keeps a
+      long `threshold_life` from starting on a stale tau). None turns the
+      guard off: Algorithm 1 exactly.
     index_encoding: "auto", "int32", "chunk16" or "chunk8" (see
       `sparse_wire`).
 
@@ -167,7 +178,7 @@ class DCTDP(Compressor):
   def __init__(self, sparsity: float = 0.99, threshold_life: int = 1000,
                capacity_factor: float = 2.0, min_size: int = 0,
                warmup_steps: int = 0, name: str | None = None,
-               density_band: tuple[float, float] | None = None,
+               density_band: tuple[float, float] | None = (0.5, 2.0),
                index_encoding: str = "auto"):
     super().__init__(name=name)
     self.sparsity = float(_check("sparsity", sparsity, numbers.Real, 0, True,

@@ -50,9 +50,14 @@ Conventions (tests/compression/reference_deft.py follows them exactly):
   largest item) moves to another replica every step. step is the step
   counter of the group's first variable.
 * Selection (Algorithm 5). The owner runs `tf.math.top_k` on |acc| of the
-  partition with the static bound K_x = min(size_x, k_total) >= k_x and keeps
-  the first k_x; equal magnitudes go to the lower position first. The top-k
-  sits in a `tf.cond` on ownership (no collective inside), so non-owners skip it.
+  partition and keeps the first k_x; equal magnitudes go to the lower position
+  first. Shapes must be static, so the top-k size is the smallest of a ladder
+  of static sizes (powers of two from 64, capped at K_x = min(size_x,
+  k_total) >= k_x) that holds k_x, picked by a `tf.switch_case` at run time:
+  the sorted top-k is a prefix of any larger sorted top-k, so the kept k_x
+  positions are the same as with one top-k of K_x, at a cost of a top-k of at
+  most 2 k_x instead of K_x. Non-owners take a branch that returns zeros (no
+  collective inside any branch).
 * Wire (Algorithm 1 lines 7-9). Every replica knows every k_x, so partition x
   owns slots [o_x, o_x + k_x) of one union buffer of U = min(n_g,
   k_total + P - 1) int32 slots, o_x = sum of k_y for y < x. Each replica
@@ -219,6 +224,38 @@ def pack(k: tf.Tensor, sizes: Sequence[int], num_replicas: int) -> tf.Tensor:
   return tf.scatter_nd(order[:, None], placed, [p])
 
 
+def top_k_sizes(bound: int, smallest: int = 64) -> list[int]:
+  """Static top-k sizes for a partition: 64, 128, ... below `bound`, then it."""
+  sizes, size = [], smallest
+  while size < bound:
+    sizes.append(size)
+    size *= 2
+  return sizes + [bound]
+
+
+def owned_top_k(magnitude: tf.Tensor, k: tf.Tensor, bound: int,
+                owned: tf.Tensor) -> tf.Tensor:
+  """Positions of the `k` largest of rank-1 `magnitude`, int32[bound].
+
+  The first `k` entries are the positions by decreasing magnitude (lower
+  position first on ties), exactly those of `top_k(magnitude, bound)`; the
+  rest are unspecified. Runs a top-k of the smallest ladder size >= k
+  (`top_k_sizes`), or nothing when not `owned` (zeros). Needs k <= bound.
+  """
+  sizes = top_k_sizes(bound)
+
+  def top(size):
+    def branch():
+      positions = tf.math.top_k(magnitude, size, sorted=True).indices
+      return tf.pad(positions, [[0, bound - size]])
+    return branch
+
+  rung = tf.reduce_sum(tf.cast(k > tf.constant(sizes[:-1], k.dtype), tf.int32))
+  branch_index = tf.where(owned, rung + 1, 0)
+  return tf.switch_case(branch_index, [lambda: tf.zeros([bound], tf.int32)] +
+                        [top(size) for size in sizes])
+
+
 def owners(bins: tf.Tensor, step: tf.Tensor, num_replicas: int) -> tf.Tensor:
   """Replica owning each partition: replica r takes bin (step % n + r) % n."""
   cycle = tf.cast(step % num_replicas, tf.int32)  # DEFT Algorithm 4 line 1
@@ -359,11 +396,7 @@ class DEFT(Compressor):
     # DEFT Algorithm 5 line 3 (loop over the owned partitions; static here).
     for x, (part, piece) in enumerate(zip(parts, pieces)):
       bound = min(part.size, k_total)
-      top = tf.cond(  # DEFT Algorithm 5 line 4
-          owned[x],
-          lambda piece=piece, bound=bound: tf.math.top_k(
-              tf.abs(piece), bound, sorted=True).indices,
-          lambda bound=bound: tf.zeros([bound], tf.int32))
+      top = owned_top_k(tf.abs(piece), k[x], bound, owned[x])  # DEFT Alg. 5 line 4
       rank = tf.range(bound)
       keep = tf.logical_and(owned[x], rank < k[x])
       slots.append(tf.where(keep, offsets[x] + rank, cap))
