@@ -25,8 +25,9 @@ Prints:
     step, weights frozen; DEFT's partition / k / packing from
     tests/compression/reference_deft.py).
 (c) selection time per replica: `tf.math.top_k` over the whole concatenated
-    model gradient (k = 1%) vs DEFT's per-replica selection (top-k over the
-    partitions the replica owns, with DEFT's static bound K_x), each timed in
+    model gradient (k = 1%) vs DEFT's per-replica selection (`deft.owned_top_k`
+    over the partitions the replica owns: top-k of the smallest static ladder
+    size >= k_x), each timed in
     isolation on one device (median), the slowest replica reported; plus the
     in-run selection_seconds of DEFT and TopK for context.
 (d) step time of DCTDP(L=1000), DCTDP(L=1) (and the others) relative to
@@ -59,6 +60,7 @@ import tf_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct import compression  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct.compression import deft  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tests.compression import reference_deft  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -303,12 +305,16 @@ def selection_times(flat, n, repeats):
     for b in range(n):
       mine = [(s, z, min(z, k_total)) for x, (_, s, z) in enumerate(parts)
               if bins[x] == b]
+      # DEFT's own selection: top-k of the smallest ladder size >= k_x,
+      # with k_x fed at run time as in the compressor (not folded away).
+      ks = tf.constant([int(k[x]) for x in range(len(parts)) if bins[x] == b] or [0],
+                       tf.int32)
 
-      def sel(mine=mine):
-        return [tf.math.top_k(tf.abs(gt[s:s + z]), kk).indices
-                for s, z, kk in mine]
+      def sel(ks, mine=mine):
+        return [deft.owned_top_k(tf.abs(gt[s:s + z]), ks[i], bound, tf.constant(True))
+                for i, (s, z, bound) in enumerate(mine)]
       f = tf.function(sel)
-      per_replica.append(timeit(lambda f=f: [o.numpy() for o in f()]))
+      per_replica.append(timeit(lambda f=f, ks=ks: [o.numpy() for o in f(ks)]))
   return t_whole, per_replica, k_total, len(parts)
 
 
