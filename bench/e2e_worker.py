@@ -54,6 +54,7 @@ from launch import train  # pylint: disable=g-import-not-at-top,wrong-import-pos
 
 # bench config -> launcher --compression (and DCT-MP on/off).
 COMPRESSION = {"dense": "none", "native": "none", "dctdp": "dct", "dctdp_mp": "dct",
+               "dctdp_fc": "dct",
                "deft": "deft", "topk": "topk"}
 POLL_SECONDS = 0.001
 
@@ -80,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--warmup_steps", type=int, required=True, help="untimed first steps")
   p.add_argument("--eval_steps", type=int, required=True)
   p.add_argument("--learning_rate", type=float, required=True)
+  p.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
   p.add_argument("--sparsity", type=float, required=True)
   p.add_argument("--threshold_life", type=int, required=True)
   p.add_argument("--mp_sparsity", type=float, required=True)
@@ -99,10 +101,11 @@ def launcher_config(args: argparse.Namespace) -> dict:
       model="dlrm", config="default", data_dir="", replicator="multi_worker", tpu=None,
       compression=COMPRESSION[args.config], warmup_steps=0, min_size=0, model_dir="",
       loop="custom", seed=args.seed, batch_size=args.batch_size, steps=args.steps,
-      eval_every=0, log_every=10**9, optimizer="adam", learning_rate=args.learning_rate,
+      eval_every=0, log_every=10**9, optimizer=args.optimizer, learning_rate=args.learning_rate,
       sparsity=args.sparsity, threshold_life=args.threshold_life, density=args.density,
       mp_sparsity=args.mp_sparsity,
       mp_splits="paper" if args.config == "dctdp_mp" else "none",
+      compression_exclude=["embeddings"] if args.config == "dctdp_fc" else [],
       explicit=frozenset())
   train.validate(cfg)
   return cfg

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 
@@ -70,6 +71,10 @@ flags.DEFINE_float("threshold", None, "Hard-threshold lambda >= 0 (--compression
                    "Default 1e-3.")
 flags.DEFINE_integer("warmup_steps", 0, "Dense aggregation steps before compression starts.")
 flags.DEFINE_integer("min_size", 0, "Variables with fewer entries are always aggregated densely.")
+flags.DEFINE_list("compression_exclude", [],
+                  "Regular expressions; variables whose names match one are all-reduced as "
+                  "they are (embedding IndexedSlices all-gathered), not compressed. E.g. "
+                  "'embedding' compresses only DLRM's MLPs, as DCT §3.1 does.")
 flags.DEFINE_float("mp_sparsity", None, "DCT-MP sparsity in [0, 1) at --mp_splits. Default 0.9.")
 flags.DEFINE_string("mp_splits", None,
                     "Comma list of the model's split points to insert a DCTSplit at, 'paper' "
@@ -93,7 +98,7 @@ FLAGS = flags.FLAGS
 # Launcher settings resolved per model/preset (flags defaulting to None).
 SETTINGS = tuple(registry.COMMON_DEFAULTS)
 PLAIN = ("model", "config", "data_dir", "replicator", "tpu", "compression", "warmup_steps",
-         "min_size", "model_dir", "loop", "seed")
+         "min_size", "compression_exclude", "model_dir", "loop", "seed")
 
 
 class FlagError(app.UsageError, ValueError):
@@ -179,6 +184,16 @@ def validate(cfg: dict) -> None:
       raise FlagError(f"--{name} must be >= 0, got {cfg[name]}")
   _in_range(cfg, "learning_rate", 0, None, True, True)
   comp = cfg["compression"]
+  exclude = cfg.get("compression_exclude") or []
+  if exclude and comp == "none":
+    raise FlagError("--compression_exclude needs a compressor; --compression=none "
+                    "compresses nothing")
+  for pattern in exclude:
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise FlagError(f"--compression_exclude: {pattern!r} is not a valid regular "
+                      f"expression: {e}") from None
   if comp == "dct":
     _in_range(cfg, "sparsity", 0, 1, True, True)
   if comp in ("deft", "topk", "cltk") or (comp == "threshold" and "density" in cfg["explicit"]):
@@ -226,7 +241,8 @@ def make_compressor(cfg: dict):
   if comp == "none":
     return None
   cls = getattr(tf_dct.compression, COMPRESSOR_CLASSES[comp])
-  common = {"min_size": cfg["min_size"], "warmup_steps": cfg["warmup_steps"]}
+  common = {"min_size": cfg["min_size"], "warmup_steps": cfg["warmup_steps"],
+            "exclude": tuple(cfg.get("compression_exclude") or ())}
   if comp == "dct":
     return cls(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"], **common)
   if comp == "threshold":

@@ -108,6 +108,7 @@ def make_testbed(runner=None, stubborn=False):
     (["--delay=-1ms"], "--delay"),
     (["--delay=2s"], "--delay"),
     (["--shaper=htb"], "--shaper"),
+    (["--optimizer=adagrad"], "--optimizer"),
     (["--configs="], "--configs"),
     (["--configs=dense,foo"], "--configs"),
     (["--configs=dense,dense"], "--configs"),
@@ -142,6 +143,9 @@ def test_defaults_presets_and_units():
   full = e2e_link.parse_args([])
   assert (full.rate_bps, full.delay_s) == (1e9, 5e-4)
   assert full.config_list == e2e_link.DEFAULT_CONFIGS
+  assert full.optimizer == "adam"
+  argv = e2e_link.worker_argv(e2e_link.parse_args(["--optimizer=sgd"]), "dctdp_fc", "/x")
+  assert "--optimizer=sgd" in argv and "--config=dctdp_fc" in argv
   assert full.vocab_size == e2e_link.FULL["vocab_size"]
   quick = e2e_link.parse_args(["--quick", "--steps=7", "--rate=100mbit", "--delay=200us",
                                "--configs=topk, dense"])

@@ -102,6 +102,59 @@ class ExchangeTest(tf.test.TestCase):
       self.assertAllEqual(single, out[0][0])  # identical on every replica
     self.assertEqual([o[2] for o in out], [4, 5, 2, 0])
 
+  def test_many_vectors_and_dtypes_share_one_gather_per_dtype(self):
+    # float32 values travel with the int32 index words (one stream), float64
+    # values in a second stream: one all-gather call of 2 tensors per replica
+    # for 4 vectors of different encodings, instead of 8 tensors.
+    replicas = 2
+    rng = np.random.default_rng(4)
+    specs = [(300, 6, tf.float32, "chunk8"), (12, 5, tf.float32, "int32"),
+             (40, 3, tf.float64, "auto"), (70000, 4, tf.float32, "chunk16")]
+    data = [[(np.sort(rng.choice(n, cap, replace=False)).astype(np.int32),
+              rng.normal(size=cap).astype(dtype.as_numpy_dtype))
+             for n, cap, dtype, _ in specs] for _ in range(replicas)]
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
+
+    calls = []
+
+    class Counting:
+      """The replica context, counting all-gather calls and their tensors."""
+
+      def __init__(self, ctx):
+        self._ctx = ctx
+
+      def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+      def all_gather(self, value, axis):
+        calls.append([t.dtype for t in tf.nest.flatten(value)])
+        return self._ctx.all_gather(value, axis)
+
+    def fn():
+      ctx = tf.distribute.get_replica_context()
+      r = tf.get_static_value(ctx.replica_id_in_sync_group)
+      many = sparse_wire.exchange_many(
+          Counting(ctx), [(tf.constant(i), tf.constant(v), n)
+                          for (i, v), (n, _, _, _) in zip(data[r], specs)],
+          presorted=True)
+      single = [sparse_wire.exchange(ctx, tf.constant(i), tf.constant(v), n,
+                                     encoding=enc, presorted=True)
+                for (i, v), (n, _, _, enc) in zip(data[r], specs)]
+      return many, single
+
+    out = util.local(repl, tf.function(lambda: repl.run(fn))())
+    # One call per replica, one int32 stream (index words and float32 values)
+    # and one float64 stream.
+    self.assertEqual(calls, [[tf.int32, tf.float64]] * replicas)
+    for many, single in out:
+      for t, (n, _, dtype, _) in enumerate(specs):
+        want = np.zeros(n)
+        for r in range(replicas):
+          np.add.at(want, data[r][t][0], data[r][t][1])
+        self.assertEqual(many[t].dtype, dtype.as_numpy_dtype)
+        self.assertAllClose(many[t], want, atol=1e-6, rtol=0)
+        self.assertAllEqual(many[t], single[t])
+
   def test_compiles_with_xla_on_one_replica(self):
     repl = tf_dct.Replicator(["/cpu:0"], jit_compile=True)
     acc = np.array([0.5, -2.0, 0.1, 3.0], np.float32)

@@ -160,6 +160,15 @@ class ModelsTest(tf.test.TestCase):
     self.assertGreater(s["mp"]["dense_bytes"], s["mp"]["bytes"])
 
 
+class CompressionExcludeTest(tf.test.TestCase):
+
+  def test_exclude_reaches_the_compressor(self):
+    cfg = _cfg(model="dlrm", compression="deft", compression_exclude=["embedding", "bias$"])
+    compressor = train.make_compressor(cfg)
+    self.assertEqual(compressor.exclude, ("embedding", "bias$"))
+    self.assertEqual(train.make_compressor(_cfg(model="dlrm")).exclude, ())
+
+
 class FlagErrorsTest(tf.test.TestCase):
 
   def assertFlagError(self, regex, **overrides):
@@ -195,6 +204,10 @@ class FlagErrorsTest(tf.test.TestCase):
     self.assertFlagError(r"--num_replicas is for --replicator=cpu/gpu",
                          replicator="multi_worker", num_replicas=2)
     self.assertFlagError(r"--tpu=x needs --replicator=tpu", tpu="x")
+    self.assertFlagError(r"--compression_exclude: '\(' is not a valid regular expression",
+                         compression_exclude=["("])
+    self.assertFlagError(r"--compression_exclude needs a compressor",
+                         compression="none", compression_exclude=["embedding"])
     with self.assertRaisesRegex(flags.IllegalFlagValueError, "compression"):
       flags.FLAGS["compression"].parse("gzip")
     with self.assertRaisesRegex(flags.IllegalFlagValueError, "loop"):

@@ -16,6 +16,7 @@ model), readable with `communication_stats()` and written as summaries.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Sequence
 
@@ -34,11 +35,29 @@ def state_key(position: int) -> str:
   return f"v{position:03d}"
 
 
+def _check_exclude(owner: str, exclude) -> tuple[str, ...]:
+  """`exclude` as a tuple of regular expressions, or a ValueError naming it."""
+  if isinstance(exclude, (str, bytes)) or not isinstance(exclude, (list, tuple)):
+    raise ValueError(f"{owner}: exclude must be a list or tuple of regular "
+                     f"expressions (strings), got {exclude!r}")
+  for pattern in exclude:
+    if not isinstance(pattern, str):
+      raise ValueError(f"{owner}: exclude must hold strings, got {pattern!r}")
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise ValueError(f"{owner}: exclude pattern {pattern!r} is not a valid "
+                       f"regular expression: {e}") from None
+  return tuple(exclude)
+
+
 class Compressor(tf.Module):
   """Base class: per-variable state management and the aggregation contract."""
 
-  def __init__(self, name: str | None = None):
+  def __init__(self, name: str | None = None, exclude: Sequence[str] = ()):
     super().__init__(name=name)
+    self.exclude = _check_exclude(type(self).__name__, exclude)
+    self._exclude = [re.compile(p) for p in self.exclude]
     self._replicator = None
     self._lock = threading.Lock()
     self._keys = {}          # variable ref -> state key, in first-seen order
@@ -96,6 +115,36 @@ class Compressor(tf.Module):
     raise NotImplementedError
 
   # -- shared machinery -----------------------------------------------------------
+
+  def is_excluded(self, variable: tf.Variable) -> bool:
+    """Whether `variable`'s name matches a pattern of `exclude`."""
+    name = variable.name.split(":")[0]
+    return any(p.search(name) for p in self._exclude)
+
+  def reduce_as_is(self, ctx: tf.distribute.ReplicaContext,
+                   grads: Sequence, variables: Sequence[tf.Variable]) -> list:
+    """One SUM all-reduce of the gradients as they are, with accounting.
+
+    A `tf.IndexedSlices` gradient stays sparse: TensorFlow's collectives
+    all-gather its slices (values and row ids), and that is what is
+    recorded, P = bytes of the values + bytes of the row ids of this replica
+    (static shapes; with a dynamic number of slices the dense all-reduce is
+    recorded, an upper bound). A dense gradient is N entries all-reduced.
+    """
+    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
+    for grad, var, out in zip(grads, variables, reduced):
+      n = var.shape.num_elements()
+      if (isinstance(grad, tf.IndexedSlices) and isinstance(out, tf.IndexedSlices)
+          and grad.values.shape.is_fully_defined()
+          and grad.indices.shape.is_fully_defined()):
+        sent = grad.values.shape.num_elements()
+        payload = (sent * grad.values.dtype.size
+                   + grad.indices.shape.num_elements() * grad.indices.dtype.size)
+        nnz = tf.minimum(tf.size(out.values, out_type=tf.int64), n)  # upper bound
+        self.record(var, gather_bytes=payload, nnz=nnz, sent=min(sent, n))
+      else:  # N entries all-reduced, N non-zero
+        self.record(var, reduce_bytes=n * grad.dtype.size)
+    return reduced
 
   @property
   def timing_enabled(self) -> bool:
@@ -201,10 +250,11 @@ class Compressor(tf.Module):
         if ref not in self._keys:
           key = state_key(len(self._keys))
           with tf.init_scope():  # state is created eagerly, once, for all replicas
-            self.state[key] = self.create_state(var)
+            excluded = self.is_excluded(var)
+            self.state[key] = {} if excluded else self.create_state(var)
             if self._replicator is not None:  # statistics too, so they restore
               self.accounting.ensure(self, key, var.name.split(":")[0],
-                                     self.counter_names(var))
+                                     () if excluded else self.counter_names(var))
           self._keys[ref] = key  # only once its state exists
       return [self.state[self._keys[v.ref()]] for v in variables]
 
@@ -221,12 +271,19 @@ class Compressor(tf.Module):
     pairs = [(g, v) for g, v in grads_and_vars if g is not None]
     if not pairs:
       return grads_and_vars
-    grads = [g for g, _ in pairs]
-    variables = [v for _, v in pairs]
-    states = self._states_for(variables)
+    self._states_for([v for _, v in pairs])  # state and keys, in this order
+    excluded = [self.is_excluded(v) for _, v in pairs]
+    kept = [p for p, ex in zip(pairs, excluded) if not ex]
+    passed = [p for p, ex in zip(pairs, excluded) if ex]
     self._recording.records = {}
     try:
-      reduced = self.reduce(ctx, grads, variables, states)
+      out_kept = iter(self.reduce(ctx, [g for g, _ in kept], [v for _, v in kept],
+                                  self._states_for([v for _, v in kept]))
+                      if kept else [])
+      out_passed = iter(self.reduce_as_is(ctx, [g for g, _ in passed],
+                                          [v for _, v in passed])
+                        if passed else [])
+      reduced = [next(out_passed) if ex else next(out_kept) for ex in excluded]
       records = self._recording.records
     finally:
       self._recording.records = None

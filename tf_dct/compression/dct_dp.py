@@ -92,6 +92,7 @@ import functools
 import math
 import numbers
 import re
+from typing import Sequence
 
 import tensorflow as tf
 
@@ -171,6 +172,10 @@ class DCTDP(Compressor):
       guard off: Algorithm 1 exactly.
     index_encoding: "auto", "int32", "chunk16" or "chunk8" (see
       `sparse_wire`).
+    exclude: regular expressions searched in variable names; matching
+      variables are all-reduced as they are (`tf.IndexedSlices` stay sparse
+      and are all-gathered) and keep no state, e.g. `("embedding",)` to
+      compress only the dense layers, as DCT §3.1 does for DLRM.
 
   See the module docstring for the exact conventions.
   """
@@ -179,8 +184,8 @@ class DCTDP(Compressor):
                capacity_factor: float = 2.0, min_size: int = 0,
                warmup_steps: int = 0, name: str | None = None,
                density_band: tuple[float, float] | None = (0.5, 2.0),
-               index_encoding: str = "auto"):
-    super().__init__(name=name)
+               index_encoding: str = "auto", exclude: Sequence[str] = ()):
+    super().__init__(name=name, exclude=exclude)
     self.sparsity = float(_check("sparsity", sparsity, numbers.Real, 0, True,
                                  1, True))
     self.threshold_life = int(_check("threshold_life", threshold_life,

@@ -271,13 +271,17 @@ class DEFT(Compressor):
       keep no state, an int >= 0.
     warmup_steps: steps during which every variable goes dense, an int >= 0.
     name: module name.
+    exclude: regular expressions searched in variable names; matching
+      variables are all-reduced as they are and keep no state (see
+      `Compressor.reduce_as_is`).
 
   See the module docstring for the exact conventions.
   """
 
   def __init__(self, density: float = 0.01, min_size: int = 0,
-               warmup_steps: int = 0, name: str | None = None):
-    super().__init__(name=name)
+               warmup_steps: int = 0, name: str | None = None,
+               exclude: Sequence[str] = ()):
+    super().__init__(name=name, exclude=exclude)
     self.density = float(_check("density", density, numbers.Real, 0, True, 1))
     self.min_size = int(_check("min_size", min_size, numbers.Integral, 0, False))
     self.warmup_steps = int(_check("warmup_steps", warmup_steps,

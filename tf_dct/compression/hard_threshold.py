@@ -22,6 +22,7 @@ Conventions (tests/compression/reference_baselines.py follows them exactly):
 from __future__ import annotations
 
 import numbers
+from typing import Sequence
 
 import tensorflow as tf
 
@@ -38,12 +39,16 @@ class HardThreshold(topk.ErrorFeedbackCompressor):
     min_size: variables with fewer entries always go dense, an int >= 0.
     warmup_steps: steps during which every variable goes dense, an int >= 0.
     name: module name.
+    exclude: regular expressions searched in variable names; matching
+      variables are all-reduced as they are and keep no state (see
+      `Compressor.reduce_as_is`).
   """
 
   def __init__(self, threshold: float, capacity_density: float = 0.05,
                min_size: int = 0, warmup_steps: int = 0,
-               name: str | None = None):
-    super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name)
+               name: str | None = None, exclude: Sequence[str] = ()):
+    super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
+                     exclude=exclude)
     self.threshold = float(self._check("threshold", threshold, numbers.Real, 0,
                                        False))
     self.capacity_density = float(self._check(

@@ -249,23 +249,44 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   buffers = list(buffers)
   if not buffers:
     return []
-  payload, layouts = [], []
+  # One all-gather for everything: index words and 4-byte values travel in
+  # one int32 stream (values bitcast), other value dtypes in one stream each.
+  # One collective per vector and tensor would cost a rendezvous each.
+  streams = {tf.int32: []}   # dtype on the wire -> pieces, in order
+  layout = []                # per vector: (enc, words slice, values slice)
+  sizes = {tf.int32: 0}
   for idx, val, n in buffers:
     enc = make_encoding(encoding, n, idx.shape[0])
     if enc.name != "int32" and not presorted:
       order = tf.argsort(idx, stable=True)
       idx, val = tf.gather(idx, order), tf.gather(val, order)
-    payload.append([encode_indices(idx, enc), val])
-    layouts.append(enc)
-  gathered = ctx.all_gather(payload, axis=0)
+    words = encode_indices(idx, enc)
+    dtype = val.dtype
+    wire = tf.int32 if dtype.size == 4 else dtype
+    if wire != dtype:
+      val = tf.bitcast(val, wire)
+    streams[tf.int32].append(words)
+    w_at = sizes[tf.int32]
+    sizes[tf.int32] += enc.words
+    streams.setdefault(wire, []).append(val)
+    sizes.setdefault(wire, 0)
+    v_at = sizes[wire]
+    sizes[wire] += val.shape[0]
+    layout.append((enc, w_at, wire, v_at, val.shape[0], dtype))
+  wires = list(streams)
+  gathered = ctx.all_gather([tf.concat(streams[w], 0) for w in wires], axis=0)
   # One row per replica; the count is static even where the gathered shape is
   # not (MultiWorkerMirrored leaves the leading dimension unknown).
   replicas = ctx.num_replicas_in_sync
+  rows = {w: tf.reshape(g, [replicas, sizes[w]]) for w, g in zip(wires, gathered)}
   out = []
-  for (words, val), enc in zip(gathered, layouts):
-    rows = tf.reshape(words, [replicas, enc.words])
-    idx = tf.concat([decode_indices(rows[r], enc) for r in range(replicas)],
+  for enc, w_at, wire, v_at, cap, dtype in layout:
+    words = rows[tf.int32][:, w_at:w_at + enc.words]
+    idx = tf.concat([decode_indices(words[r], enc) for r in range(replicas)],
                     axis=0)
+    val = tf.reshape(rows[wire][:, v_at:v_at + cap], [-1])
+    if val.dtype != dtype:
+      val = tf.bitcast(val, dtype)
     out.append(scatter_sum(idx, val, enc.n))
   return out
 

@@ -43,6 +43,7 @@ import dataclasses
 import math
 import numbers
 import re
+from typing import Sequence
 
 import tensorflow as tf
 
@@ -95,13 +96,16 @@ class ErrorFeedbackCompressor(Compressor):
     min_size: variables with fewer entries always go dense, an int >= 0.
     warmup_steps: steps during which every variable goes dense, an int >= 0.
     name: module name.
+    exclude: regular expressions searched in variable names; matching
+      variables are all-reduced as they are and keep no state (see
+      `Compressor.reduce_as_is`).
   """
 
   _extra_state_keys: tuple = ()
 
   def __init__(self, min_size: int = 0, warmup_steps: int = 0,
-               name: str | None = None):
-    super().__init__(name=name)
+               name: str | None = None, exclude: Sequence[str] = ()):
+    super().__init__(name=name, exclude=exclude)
     self.min_size = int(self._check("min_size", min_size, numbers.Integral, 0,
                                     False))
     self.warmup_steps = int(self._check("warmup_steps", warmup_steps,
@@ -248,6 +252,9 @@ class TopK(ErrorFeedbackCompressor):
     capacity_factor: wire slots per variable as a multiple of k, a number
       >= 1; only threshold ties can use slots beyond k.
     name: module name.
+    exclude: regular expressions searched in variable names; matching
+      variables are all-reduced as they are and keep no state (see
+      `Compressor.reduce_as_is`).
 
   See the module docstring for the exact conventions.
   """
@@ -256,8 +263,9 @@ class TopK(ErrorFeedbackCompressor):
 
   def __init__(self, density: float = 0.01, min_size: int = 0,
                warmup_steps: int = 0, capacity_factor: float = 1.0,
-               name: str | None = None):
-    super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name)
+               name: str | None = None, exclude: Sequence[str] = ()):
+    super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
+                     exclude=exclude)
     self.density = float(self._check("density", density, numbers.Real, 0, True,
                                      1, False))
     self.capacity_factor = float(self._check(
