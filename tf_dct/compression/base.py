@@ -271,14 +271,14 @@ class Compressor(tf.Module):
     pairs = [(g, v) for g, v in grads_and_vars if g is not None]
     if not pairs:
       return grads_and_vars
-    self._states_for([v for _, v in pairs])  # state and keys, in this order
+    states = self._states_for([v for _, v in pairs])  # keys in this order
     excluded = [self.is_excluded(v) for _, v in pairs]
-    kept = [p for p, ex in zip(pairs, excluded) if not ex]
+    kept = [(g, v, st) for (g, v), st, ex in zip(pairs, states, excluded) if not ex]
     passed = [p for p, ex in zip(pairs, excluded) if ex]
     self._recording.records = {}
     try:
-      out_kept = iter(self.reduce(ctx, [g for g, _ in kept], [v for _, v in kept],
-                                  self._states_for([v for _, v in kept]))
+      out_kept = iter(self.reduce(ctx, [g for g, _, _ in kept], [v for _, v, _ in kept],
+                                  [st for _, _, st in kept])
                       if kept else [])
       out_passed = iter(self.reduce_as_is(ctx, [g for g, _ in passed],
                                           [v for _, v in passed])
