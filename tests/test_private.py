@@ -16,6 +16,21 @@ class PrivateApiTest(tf.test.TestCase):
   def test_pinned_apis_exist(self):
     _private.check()
 
+  def test_in_xla_context_sees_jit_compile_and_its_inner_functions(self):
+    seen = {}
+
+    def probe(key):
+      seen[key] = _private.in_xla_context()
+      return tf.constant(0)
+
+    probe("eager")
+    tf.function(lambda: probe("graph"))()
+    tf.function(lambda: probe("xla"), jit_compile=True)()
+    inner = tf.function(lambda: probe("inner"))
+    tf.function(lambda: inner(), jit_compile=True)()  # pylint: disable=unnecessary-lambda
+    self.assertEqual(seen, {"eager": False, "graph": False, "xla": True,
+                            "inner": True})
+
   def test_each_replicator_has_its_own_collective_keys(self):
     a, b = tf_dct.Replicator(), tf_dct.Replicator()
     base_a = a.extended._collective_keys._group_key  # pylint: disable=protected-access

@@ -129,6 +129,18 @@ def coordination_key_value_store():
   return ctx.set_config_key_value, ctx.get_config_key_value
 
 
+def in_xla_context() -> bool:
+  """Whether ops built now will be compiled by XLA.
+
+  True inside `tf.function(jit_compile=True)` and TPU replication (their
+  graphs carry an XLA control-flow context, possibly on an outer graph);
+  uses `control_flow_util.GraphOrParentsInXlaContext`.
+  """
+  from tensorflow.python.framework import ops  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
+  return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+
+
 def check() -> None:
   """Raises AssertionError if a private API we rely on has drifted."""
   assert isinstance(mirrored_strategy.MirroredStrategy._collective_key_base, int), (
@@ -166,6 +178,9 @@ def check() -> None:
         f"eager Context.{name} signature changed")
   assert hasattr(context.Context, "coordination_service"), (
       "eager Context.coordination_service is gone")
+  from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
+  assert callable(getattr(control_flow_util, "GraphOrParentsInXlaContext", None)), (
+      "control_flow_util.GraphOrParentsInXlaContext is gone")
   base = keras3_optimizer_base()
   method = getattr(base, KERAS3_AGGREGATION_METHOD, None)
   assert callable(method), f"Keras 3 TFOptimizer.{KERAS3_AGGREGATION_METHOD} is gone"

@@ -437,16 +437,21 @@ def define(parser: argparse.ArgumentParser) -> None:
                       help="eta values with two splits (default 0.75,0.9,0.95,0.98: "
                            "the paper's and one beyond; quick 0.9; 'none' for no "
                            "two-split run)")
-  parser.add_argument("--batch_size", type=int, default=256)
+  parser.add_argument("--model_config", default="default", choices=("default", "local"),
+                      help="launcher preset of the DLRM: the paper's dimensions, or "
+                           "`local` (tiny, for smoke tests)")
+  define_training(parser)
+
+
+def define_training(parser: argparse.ArgumentParser) -> None:
+  """The training flags every DCT table study shares."""
+  parser.add_argument("--batch_size", type=int, default=256, help="global batch")
   parser.add_argument("--learning_rate", type=float, default=1e-3, help="Adam")
   parser.add_argument("--eval_batches", type=int, default=None,
                       help="batches for train/test metrics (default 40, quick 16)")
   parser.add_argument("--no_reinit", action="store_true",
                       help="skip the second dense run (other init seed) that "
                            "gives the noise reference")
-  parser.add_argument("--model_config", default="default", choices=("default", "local"),
-                      help="launcher preset of the DLRM: the paper's dimensions, or "
-                           "`local` (tiny, for smoke tests)")
   parser.add_argument("--seed", type=int, default=0)
 
 

@@ -42,13 +42,7 @@ def define(parser: argparse.ArgumentParser) -> None:
                       help="data-parallel replicas, 2 devices each")
   parser.add_argument("--threshold_life", type=int, default=None,
                       help="DCT-DP threshold life L (default steps / 10)")
-  parser.add_argument("--batch_size", type=int, default=256, help="global batch")
-  parser.add_argument("--learning_rate", type=float, default=1e-3, help="Adam")
-  parser.add_argument("--eval_batches", type=int, default=None,
-                      help="batches for train/test metrics (default 40, quick 16)")
-  parser.add_argument("--no_reinit", action="store_true",
-                      help="skip the second dense run (other init seed)")
-  parser.add_argument("--seed", type=int, default=0)
+  t1.define_training(parser)
 
 
 def run(args: argparse.Namespace) -> common.Result:

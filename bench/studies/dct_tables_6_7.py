@@ -46,13 +46,7 @@ def define(parser: argparse.ArgumentParser) -> None:
                            "(default 0.5,0.75,0.9; quick 0.9)")
   parser.add_argument("--splits", default="bottom_1",
                       help="DLRM split points (default: the one-split setting)")
-  parser.add_argument("--batch_size", type=int, default=256)
-  parser.add_argument("--learning_rate", type=float, default=1e-3, help="Adam")
-  parser.add_argument("--eval_batches", type=int, default=None,
-                      help="batches for train/test metrics (default 40, quick 16)")
-  parser.add_argument("--no_reinit", action="store_true",
-                      help="skip the second dense run (other init seed)")
-  parser.add_argument("--seed", type=int, default=0)
+  t1.define_training(parser)
 
 
 def _paper_delta(mode: str, eta: float) -> float | None:

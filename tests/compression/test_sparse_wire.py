@@ -34,6 +34,8 @@ class CompactTest(tf.test.TestCase, parameterized.TestCase):
       ("nothing_selected", 30, 0.0, 5),
       ("capacity_one", 30, 0.5, 1),
       ("single_entry", 1, 1.0, 1),
+      ("capacity_beyond_n", 5, 1.0, 8),
+      ("almost_all", 300, 0.97, 290),
   )
   def test_matches_numpy(self, n, density, capacity):
     rng = np.random.default_rng(n + capacity)
@@ -52,6 +54,21 @@ class CompactTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllEqual(fitted, want[3])
       # What did not fit is exactly the selected remainder.
       self.assertAllEqual(mask & ~fitted, mask & ~want[3])
+
+  @parameterized.named_parameters(
+      ("one", 1), ("block", 64), ("block_plus_one", 65), ("ragged", 1000),
+      ("many_blocks", 64 * 70 + 3))
+  def test_prefix_count_matches_cumsum(self, n):
+    rng = np.random.default_rng(n)
+    for density in (0.0, 0.03, 0.5, 1.0):
+      mask = rng.uniform(size=n) < density
+      want = np.cumsum(mask.astype(np.int32))
+      eager = sparse_wire.prefix_count(tf.constant(mask))
+      jitted = tf.function(sparse_wire.prefix_count, jit_compile=True)(
+          tf.constant(mask))
+      for got in (eager, jitted):
+        self.assertEqual(got.dtype, tf.int32)
+        self.assertAllEqual(got, want)
 
   def test_scatter_sum_drops_padding_and_sums_duplicates(self):
     idx = tf.constant([0, 2, 2, 4, 4], tf.int32)  # n = 4: index 4 is padding

@@ -312,28 +312,40 @@ class DCTDP(Compressor):
           (k - self.warmup_steps) % self.threshold_life == 0)
     else:
       refresh = k % self.threshold_life == 0                      # DCT Algorithm 1 line 3
+    # DCT Algorithm 1 line 9, zeros excepted: they carry nothing, and with
+    # tau = 0 (fewer than k non-zero entries, e.g. an embedding table whose
+    # rows were not touched yet) they would fill the wire in flat order and
+    # hold back the non-zero entries behind them until the next refresh.
+    nonzero = magnitude > 0
+
+    def select(tau):
+      mask = tf.logical_and(magnitude >= tau, nonzero)
+      return mask, tf.reduce_sum(tf.cast(mask, tf.int32))
+
+    old_tau = threshold.read_value()
     early = None
-    if self.density_band is not None:  # beyond the paper: density guard
+    if self.density_band is None:
+      old = None
+    else:  # beyond the paper: density guard on what the old tau selects
       low, high = self.density_band
       expected = n - m
-      reused = tf.cast(tf.reduce_sum(tf.cast(tf.logical_and(
-          magnitude >= threshold.read_value(), magnitude > 0), tf.int32)),
-                       tf.float64)
+      old = select(old_tau)
+      reused = tf.cast(old[1], tf.float64)
       early = tf.logical_and(
           tf.logical_not(refresh),
           tf.logical_or(reused < low * expected, reused > high * expected))
       if warm is not None:
         early = tf.logical_and(early, tf.logical_not(warm))
       refresh = tf.logical_or(refresh, early)
-    tau = tf.cond(
-        refresh,
-        lambda: order_statistic_threshold(magnitude, m),           # DCT Algorithm 1 lines 4-5
-        threshold.read_value)                                      # DCT Algorithm 1 line 7
-    # DCT Algorithm 1 line 9, zeros excepted: they carry nothing, and with
-    # tau = 0 (fewer than k non-zero entries, e.g. an embedding table whose
-    # rows were not touched yet) they would fill the wire in flat order and
-    # hold back the non-zero entries behind them until the next refresh.
-    mask = tf.logical_and(magnitude >= tau, magnitude > 0)
+
+    def fresh():
+      tau = order_statistic_threshold(magnitude, m)                # DCT Algorithm 1 lines 4-5
+      return (tau,) + select(tau)
+
+    def reuse():                                                   # DCT Algorithm 1 line 7
+      return (old_tau,) + (old if old is not None else select(old_tau))
+
+    tau, mask, selected = tf.cond(refresh, fresh, reuse)
     if warm is not None:
       mask = tf.logical_and(mask, tf.logical_not(warm))
     idx, val, count, fitted = sparse_wire.compact(acc, mask, cap)
@@ -346,7 +358,6 @@ class DCTDP(Compressor):
       dense_part = tf.reshape(tf.where(warm, acc, zero), variable.shape)
       new_residual = tf.where(warm, zero, new_residual)
     seconds = accounting.stop_timer(start, [idx, val, count, fitted], timing)
-    selected = tf.reduce_sum(tf.cast(mask, tf.int32))
     if warm is not None:  # a dense step sends all n entries, none overflow
       count = tf.where(warm, n, count)
       selected = tf.where(warm, n, selected)

@@ -12,9 +12,11 @@ built, so the same code runs under XLA (`jit_compile=True`, TPU): no
 single-argument `tf.where`, no `tf.boolean_mask`, no sort.
 
 Packing is a prefix sum over the mask (O(n)): a selected entry goes to slot
-"number of selected entries before it". Selected entries whose slot would be
-`>= capacity` do not fit; `compact` reports which entries fitted so the caller
-can keep the rest (e.g. in an error-feedback residual) instead of losing them.
+"number of selected entries before it" (a binary search of the prefix sums
+per slot, or under XLA a scatter of the selected entries). Selected entries
+whose slot would be `>= capacity` do not fit; `compact` reports which entries
+fitted so the caller can keep the rest (e.g. in an error-feedback residual)
+instead of losing them.
 
 Exchange all-gathers every replica's buffers and scatter-adds them into a dense
 vector of length `n + 1`; slot `n` collects the padding and is cut off, so
@@ -44,6 +46,8 @@ import math
 from typing import Sequence
 
 import tensorflow as tf
+
+from tf_dct import _private
 
 # Positions travel as int32, so a vector must have fewer entries than this.
 MAX_SIZE = 2**31 - 1
@@ -186,6 +190,33 @@ def decode_indices(words: tf.Tensor, encoding: Encoding) -> tf.Tensor:
   return tf.where(slot < ends[-1], chunk_id * encoding.chunk + offsets, n)
 
 
+_BLOCK = 64  # entries per block of `prefix_count`'s matrix product
+
+
+def prefix_count(mask: tf.Tensor) -> tf.Tensor:
+  """int32 inclusive prefix count of a rank-1 bool `mask` of static length.
+
+  Equal to `tf.cumsum(tf.cast(mask, tf.int32))`, computed in blocks: a matrix
+  product with an upper-triangular matrix of ones counts within each block of
+  64 entries, a short cumsum over the block totals adds what came before.
+  On CPU that is about twice as fast as TensorFlow's one-dimensional scan,
+  and on accelerators it runs on the matrix units. Exact: every partial sum
+  is an integer of at most 64, which float32 holds exactly.
+  """
+  n = mask.shape[0]
+  if n <= _BLOCK:
+    return tf.cumsum(tf.cast(mask, tf.int32))
+  blocks = -(-n // _BLOCK)
+  ones = tf.cast(mask, tf.float32)
+  if blocks * _BLOCK != n:
+    ones = tf.pad(ones, [[0, blocks * _BLOCK - n]])
+  upper = tf.linalg.band_part(tf.ones([_BLOCK, _BLOCK]), 0, -1)
+  within = tf.cast(tf.matmul(tf.reshape(ones, [blocks, _BLOCK]), upper), tf.int32)
+  before = tf.cumsum(within[:, -1], exclusive=True)
+  ends = tf.reshape(within + before[:, None], [-1])
+  return ends if blocks * _BLOCK == n else ends[:n]
+
+
 def compact(acc_flat: tf.Tensor, mask: tf.Tensor, capacity: int):
   """Packs the entries of `acc_flat` selected by `mask` into fixed buffers.
 
@@ -210,17 +241,32 @@ def compact(acc_flat: tf.Tensor, mask: tf.Tensor, capacity: int):
                      f"got {n}")
   if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
     raise ValueError(f"capacity must be a Python int >= 1, got {capacity!r}")
-  selected = tf.cast(mask, tf.int32)
-  slot = tf.cumsum(selected, exclusive=True)  # selected entries before each one
-  fitted = tf.logical_and(mask, slot < capacity)
-  # Entries that are not packed go to a dump segment `capacity`, cut off below.
-  segment = tf.where(fitted, slot, capacity)
-  # Each used slot receives exactly one entry; unused slots sum nothing, so
-  # shifting positions by -n and back leaves `n` in them.
-  positions = tf.range(n, dtype=tf.int32) - n
-  idx = tf.math.unsorted_segment_sum(positions, segment, capacity + 1)[:capacity] + n
-  val = tf.math.unsorted_segment_sum(acc_flat, segment, capacity + 1)[:capacity]
-  count = tf.minimum(tf.reduce_sum(selected), capacity)
+  # ends[i]: selected entries up to and including position i (prefix sum).
+  ends = prefix_count(mask)
+  # An entry fits when fewer than `capacity` selected entries precede it.
+  fitted = tf.logical_and(mask, ends <= capacity)
+  if _private.in_xla_context():
+    # XLA lowers a binary search to all-pairs comparisons (O(capacity * n)),
+    # but its scatter is one pass: each fitted entry goes to slot ends - 1,
+    # the rest to a dump segment `capacity` that is cut off. Each used slot
+    # receives exactly one entry; unused slots sum nothing, so shifting the
+    # positions by -n and back leaves `n` in them.
+    segment = tf.where(fitted, ends - 1, capacity)
+    positions = tf.range(n, dtype=tf.int32) - n
+    idx = tf.math.unsorted_segment_sum(positions, segment,
+                                       capacity + 1)[:capacity] + n
+    val = tf.math.unsorted_segment_sum(acc_flat, segment,
+                                       capacity + 1)[:capacity]
+  else:
+    # Slot j holds the (j + 1)-th selected entry: the first position whose
+    # prefix count reaches j + 1, found by binary search (O(capacity log n);
+    # TensorFlow's CPU scatter over all n entries costs several times more).
+    # Slots past the last selected entry get n, the padding position.
+    slots = tf.range(1, capacity + 1, dtype=tf.int32)
+    idx = tf.searchsorted(ends, slots, side="left", out_type=tf.int32)
+    val = tf.where(idx < n, tf.gather(acc_flat, tf.minimum(idx, n - 1)),
+                   tf.zeros([], acc_flat.dtype))
+  count = tf.minimum(ends[-1], capacity)
   return idx, val, count, fitted
 
 
