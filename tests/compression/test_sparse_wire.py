@@ -45,7 +45,10 @@ class CompactTest(tf.test.TestCase, parameterized.TestCase):
     eager = sparse_wire.compact(tf.constant(acc), tf.constant(mask), capacity)
     jitted = tf.function(lambda a, m: sparse_wire.compact(a, m, capacity),
                          jit_compile=True)(tf.constant(acc), tf.constant(mask))
-    for got in (eager, jitted):
+    given = sparse_wire.compact(  # the caller's prefix count, reused
+        tf.constant(acc), tf.constant(mask), capacity,
+        ends=tf.constant(np.cumsum(mask).astype(np.int32)))
+    for got in (eager, jitted, given):
       idx, val, count, fitted = [t.numpy() for t in got]
       self.assertEqual(idx.dtype, np.int32)
       self.assertAllEqual(idx, want[0])
@@ -82,6 +85,10 @@ class CompactTest(tf.test.TestCase, parameterized.TestCase):
       sparse_wire.compact(acc, mask, 0)
     with self.assertRaisesRegex(ValueError, "acc_flat must be rank 1"):
       sparse_wire.compact(tf.zeros([2, 2]), mask, 2)
+    with self.assertRaisesRegex(ValueError, "ends must be int32 of the mask's shape"):
+      sparse_wire.compact(acc, mask, 2, ends=tf.zeros([3], tf.int32))
+    with self.assertRaisesRegex(ValueError, "ends must be int32"):
+      sparse_wire.compact(acc, mask, 2, ends=tf.zeros([4], tf.int64))
 
 
 class ExchangeTest(tf.test.TestCase):

@@ -60,8 +60,9 @@ them exactly):
   density outside [low * K / N, high * K / N]), tau is recomputed in the same
   step (no collective is involved, so it stays a local `tf.cond`). Such early
   refreshes are counted per variable and replica (`communication_stats()`,
-  counter "early_refreshes"). It costs one more compare-and-count pass over
-  the accumulator per step. Why on by default: Algorithm 1 as written takes
+  counter "early_refreshes"). The count is the prefix count the compaction
+  needs anyway, so a step that keeps tau costs nothing extra; a step that
+  refreshes builds its mask twice. Why on by default: Algorithm 1 as written takes
   its first tau at k = 0, from g_0 alone, before error feedback has built up
   any residual. Over the next steps |g + E| grows several times past it (3 to
   47x in docs/reproduction/dct_fig2_tau.md), so the reused tau selects 6-12 K
@@ -318,9 +319,9 @@ class DCTDP(Compressor):
     # hold back the non-zero entries behind them until the next refresh.
     nonzero = magnitude > 0
 
-    def select(tau):
+    def select(tau):  # the mask and its prefix count (the count is last)
       mask = tf.logical_and(magnitude >= tau, nonzero)
-      return mask, tf.reduce_sum(tf.cast(mask, tf.int32))
+      return mask, sparse_wire.prefix_count(mask)
 
     old_tau = threshold.read_value()
     early = None
@@ -330,7 +331,7 @@ class DCTDP(Compressor):
       low, high = self.density_band
       expected = n - m
       old = select(old_tau)
-      reused = tf.cast(old[1], tf.float64)
+      reused = tf.cast(old[1][-1], tf.float64)
       early = tf.logical_and(
           tf.logical_not(refresh),
           tf.logical_or(reused < low * expected, reused > high * expected))
@@ -345,10 +346,12 @@ class DCTDP(Compressor):
     def reuse():                                                   # DCT Algorithm 1 line 7
       return (old_tau,) + (old if old is not None else select(old_tau))
 
-    tau, mask, selected = tf.cond(refresh, fresh, reuse)
+    tau, mask, ends = tf.cond(refresh, fresh, reuse)
+    selected = ends[-1]
     if warm is not None:
       mask = tf.logical_and(mask, tf.logical_not(warm))
-    idx, val, count, fitted = sparse_wire.compact(acc, mask, cap)
+      ends = tf.where(warm, tf.zeros_like(ends), ends)
+    idx, val, count, fitted = sparse_wire.compact(acc, mask, cap, ends=ends)
     zero = tf.zeros_like(acc)
     # Line 10 sends acc * mask; here only the entries that fit on the wire are
     # sent, the selected ones that did not fit are kept like unselected ones.

@@ -217,13 +217,16 @@ def prefix_count(mask: tf.Tensor) -> tf.Tensor:
   return ends if blocks * _BLOCK == n else ends[:n]
 
 
-def compact(acc_flat: tf.Tensor, mask: tf.Tensor, capacity: int):
+def compact(acc_flat: tf.Tensor, mask: tf.Tensor, capacity: int,
+            ends: tf.Tensor | None = None):
   """Packs the entries of `acc_flat` selected by `mask` into fixed buffers.
 
   Args:
     acc_flat: rank-1 tensor of static length n.
     mask: bool tensor of the same shape; True marks entries to send.
     capacity: Python int >= 1, the buffer length.
+    ends: `prefix_count(mask)` when the caller has it already (it saves a
+      pass over the n entries); computed here when None.
 
   Returns:
     `(idx, val, count, fitted)`: int32[capacity] positions (padding = n),
@@ -242,7 +245,11 @@ def compact(acc_flat: tf.Tensor, mask: tf.Tensor, capacity: int):
   if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
     raise ValueError(f"capacity must be a Python int >= 1, got {capacity!r}")
   # ends[i]: selected entries up to and including position i (prefix sum).
-  ends = prefix_count(mask)
+  if ends is None:
+    ends = prefix_count(mask)
+  elif ends.shape != mask.shape or ends.dtype != tf.int32:
+    raise ValueError(f"ends must be int32 of the mask's shape {mask.shape}, "
+                     f"got {ends.dtype.name} {ends.shape}")
   # An entry fits when fewer than `capacity` selected entries precede it.
   fitted = tf.logical_and(mask, ends <= capacity)
   if _private.in_xla_context():

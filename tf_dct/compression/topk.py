@@ -283,7 +283,7 @@ class TopK(ErrorFeedbackCompressor):
     # Entries above tau always fit (fewer than k <= cap of them); ties fill
     # the remaining slots in flat order (tf.math.top_k's tie rule).
     room = cap - tf.reduce_sum(tf.cast(above, tf.int32))
-    tie_rank = tf.cumsum(tf.cast(ties, tf.int32), exclusive=True)
+    tie_rank = sparse_wire.prefix_count(ties) - tf.cast(ties, tf.int32)  # ties before
     mask = tf.logical_or(above, tf.logical_and(ties, tie_rank < room))
     selected = tf.reduce_sum(tf.cast(magnitude >= tau, tf.int32))  # line 9
     return mask, cap, selected, {"threshold": tau}
