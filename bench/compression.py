@@ -36,7 +36,7 @@ Prints:
 
 Usage:
   python bench/compression.py            # full
-  python bench/compression.py --quick    # n = 4 only, 6 steps; ~9 min on 2 shared cores (goal was < 2 min)
+  python bench/compression.py --quick    # n = 4 only, 6 steps; ~8 min on 2 cores (goal was < 2 min)
 """
 
 from __future__ import annotations
