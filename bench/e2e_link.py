@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--threshold_life", type=int, default=1000, help="DCT-DP L, >= 1")
   p.add_argument("--mp_sparsity", type=float, default=0.9, help="DCT-MP sparsity in [0, 1)")
   p.add_argument("--density", type=float, default=0.01, help="DEFT/TopK density in (0, 1]")
+  p.add_argument("--compression_warmup", type=int, default=0,
+                 help="first steps every compressor aggregates densely (their "
+                 "warmup_steps), in [0, steps]; default 0")
   p.add_argument("--seed", type=int, default=0, help="model and data seed, >= 0")
   p.add_argument("--gso", action="store_true",
                  help="keep GSO on the veth (default off: MTU-sized frames, so the "
@@ -204,6 +207,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     raise FlagError(f"--batch_size must be divisible by {NUM_WORKERS} (the workers), "
                     f"got {args.batch_size}")
   check_int("threshold_life", 1, 10**9)
+  check_int("compression_warmup", 0, args.steps)
   check_int("seed", 0, 2**31 - 1)
   check_int("nice", 0, 19)
   check_int("port", 1024, 65535 - 2 * len(args.config_list))
@@ -519,6 +523,7 @@ def worker_argv(args: argparse.Namespace, config: str, handshake_dir: str) -> li
           f"--optimizer={args.optimizer}",
           f"--sparsity={args.sparsity}", f"--threshold_life={args.threshold_life}",
           f"--mp_sparsity={args.mp_sparsity}", f"--density={args.density}",
+          f"--compression_warmup={args.compression_warmup}",
           f"--seed={args.seed}", f"--timeout={args.timeout}"]
 
 

@@ -86,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--threshold_life", type=int, required=True)
   p.add_argument("--mp_sparsity", type=float, required=True)
   p.add_argument("--density", type=float, required=True)
+  p.add_argument("--compression_warmup", type=int, default=0,
+                 help="dense steps at the start (the compressor's warmup_steps)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--timeout", type=float, default=3600.0,
                  help="seconds to wait for the driver at a handshake")
@@ -99,7 +101,7 @@ def launcher_config(args: argparse.Namespace) -> dict:
   cfg.update(spec.defaults)
   cfg.update(
       model="dlrm", config="default", data_dir="", replicator="multi_worker", tpu=None,
-      compression=COMPRESSION[args.config], warmup_steps=0, min_size=0, model_dir="",
+      compression=COMPRESSION[args.config], warmup_steps=args.compression_warmup, min_size=0, model_dir="",
       loop="custom", seed=args.seed, batch_size=args.batch_size, steps=args.steps,
       eval_every=0, log_every=10**9, optimizer=args.optimizer, learning_rate=args.learning_rate,
       sparsity=args.sparsity, threshold_life=args.threshold_life, density=args.density,

@@ -128,6 +128,8 @@ def make_testbed(runner=None, stubborn=False):
     (["--density=0"], "--density"),
     (["--density=1.5"], "--density"),
     (["--threshold_life=0"], "--threshold_life"),
+    (["--compression_warmup=-1"], "--compression_warmup"),
+    (["--steps=10", "--compression_warmup=11"], "--compression_warmup"),
     (["--seed=-1"], "--seed"),
     (["--nice=20"], "--nice"),
     (["--port=80"], "--port"),
@@ -146,6 +148,8 @@ def test_defaults_presets_and_units():
   assert full.optimizer == "adam"
   argv = e2e_link.worker_argv(e2e_link.parse_args(["--optimizer=sgd"]), "dctdp_fc", "/x")
   assert "--optimizer=sgd" in argv and "--config=dctdp_fc" in argv
+  argv = e2e_link.worker_argv(e2e_link.parse_args(["--compression_warmup=5"]), "dctdp", "/x")
+  assert "--compression_warmup=5" in argv
   assert full.vocab_size == e2e_link.FULL["vocab_size"]
   quick = e2e_link.parse_args(["--quick", "--steps=7", "--rate=100mbit", "--delay=200us",
                                "--configs=topk, dense"])
@@ -155,6 +159,16 @@ def test_defaults_presets_and_units():
   assert quick.config_list == ("topk", "dense")
   assert e2e_link.parse_rate("2.5Gbit") == 2.5e9
   assert e2e_link.parse_delay("0ms") == 0.0
+
+
+def test_worker_passes_the_compression_warmup_to_the_launcher():
+  from bench import e2e_worker  # pylint: disable=g-import-not-at-top
+  for flags, config, want in (([], "dctdp", 0),
+                              (["--compression_warmup=5"], "dctdp_fc", 5)):
+    argv = e2e_link.worker_argv(e2e_link.parse_args(flags), config, "/x")
+    cfg = e2e_worker.launcher_config(e2e_worker.parse_args(argv))
+    assert cfg["warmup_steps"] == want
+    assert cfg["compression"] == "dct"
 
 
 def test_main_reports_bad_flag_before_anything(capsys):
