@@ -154,8 +154,9 @@ class Handshake:
 class TimedJob(train.Job):
   """`launch.train.Job` plus the timed window and its handshakes."""
 
-  def __init__(self, cfg: dict, spec, handshake: Handshake, warmup_steps: int):
-    super().__init__(cfg)
+  def __init__(self, cfg: dict, spec, handshake: Handshake, warmup_steps: int,
+               compressor=None):
+    super().__init__(cfg, compressor=compressor)
     self.spec = spec
     self.handshake = handshake
     self.warmup = warmup_steps
@@ -217,13 +218,11 @@ def main(argv=None) -> None:
   tf.get_logger().setLevel("ERROR")
   tf.keras.utils.set_random_seed(args.seed)
   cfg = launcher_config(args)
-  if args.config == "dense":
-    # The launcher builds its compressor with launch.train.make_compressor;
-    # swap in the densifying Dense for this process (see the module docstring).
-    train.make_compressor = lambda cfg: DensifiedDense()
   handshake = Handshake(args.handshake_dir, index, args.timeout)
+  # dense uses the densifying Dense (see the module docstring).
   job = TimedJob(cfg, dlrm_spec(args.vocab_size, args.eval_steps), handshake,
-                 args.warmup_steps)
+                 args.warmup_steps,
+                 compressor=DensifiedDense() if args.config == "dense" else None)
   job.setup()
   table = job.model.get_layer("embeddings").embeddings
   grad_types = record_gradient_types(job.optimizer)

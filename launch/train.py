@@ -332,11 +332,22 @@ class Job:
 
   Splitting the two lets a caller look at the restored state (step counter,
   compressor residuals) before training continues.
+
+  Args:
+    cfg: the launcher configuration (`resolved_config()`, validated).
+    compressor: a `tf_dct.compression.Compressor` to use instead of the one
+      `cfg["compression"]` and its options describe (e.g. a compressor with
+      settings the flags do not offer); None builds it from `cfg`.
   """
 
-  def __init__(self, cfg: dict):
+  def __init__(self, cfg: dict, compressor=None):
+    if compressor is not None and not isinstance(
+        compressor, tf_dct.compression.Compressor):
+      raise TypeError("Job: compressor must be a tf_dct.compression.Compressor "
+                      f"or None, got {type(compressor).__name__}")
     self.cfg = cfg
     self.spec = registry.get(cfg["model"])
+    self._given_compressor = compressor
     self.repl = self.model = self.optimizer = self.compressor = None
     self.split_layers: list = []
     self.placement: dict[str, int] = {}
@@ -389,7 +400,8 @@ class Job:
 
     with repl.scope():
       self.model = spec.build(cfg, split_fn if spec.has_splits else None)
-      self.compressor = make_compressor(cfg)
+      self.compressor = (self._given_compressor if self._given_compressor is not None
+                         else make_compressor(cfg))
       self.optimizer = repl.wrap_optimizer(make_optimizer(cfg), compression=self.compressor)
       self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
       if cfg["loop"] == "fit":

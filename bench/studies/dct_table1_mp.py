@@ -104,10 +104,9 @@ def _study_job_class():
 
     def __init__(self, cfg: dict, compressor=None, split_kwargs: dict | None = None,
                  spec=None):
-      super().__init__(cfg)
+      super().__init__(cfg, compressor=compressor)
       if spec is not None:
         self.spec = spec
-      self._compressor = compressor
       self._split_kwargs = dict(split_kwargs or {})
 
     def _create_replicator(self):
@@ -116,11 +115,9 @@ def _study_job_class():
       return tf_dct.Replicator(devices, k)
 
     def setup(self):
-      # The launcher builds its compressor and split layers inside setup():
-      # swap the two factories it calls for the duration.
+      # The launcher builds its split layers inside setup(): swap the factory
+      # it calls for the duration.
       patches = []
-      if self._compressor is not None:
-        patches.append((train, "make_compressor", lambda cfg: self._compressor))
       if self._split_kwargs:
         patches.append((tf_dct.layers, "DCTSplit", functools.partial(
             tf_dct.layers.DCTSplit, **self._split_kwargs)))

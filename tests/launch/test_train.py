@@ -215,6 +215,18 @@ class FlagErrorsTest(tf.test.TestCase):
     with self.assertRaisesRegex(ValueError, "unknown model 'resnet-9000'"):
       registry.get("resnet-9000")
 
+  def test_job_takes_a_given_compressor(self):
+    given = tf_dct.compression.TopK(0.25)
+    job = train.Job(_cfg(model="mlp", compression="dct", steps=2),
+                    compressor=given).setup()
+    self.assertIs(job.compressor, given)
+    self.assertIs(job.optimizer._tf_dct_compressor, given)  # pylint: disable=protected-access
+    job.run()
+    self.assertEqual(given.communication_stats()["steps"][0], 2)
+    with self.assertRaisesRegex(TypeError, "Job: compressor must be a "
+                                "tf_dct.compression.Compressor or None, got str"):
+      train.Job(_cfg(model="mlp"), compressor="topk")
+
   def test_tpu_without_tpu(self):
     cfg = _cfg(model="mlp", replicator="tpu")
     self.assertEqual(cfg["tpu"], "local")
