@@ -200,8 +200,9 @@ def prefix_count(mask: tf.Tensor) -> tf.Tensor:
   product with an upper-triangular matrix of ones counts within each block of
   64 entries, a short cumsum over the block totals adds what came before.
   On CPU that is about twice as fast as TensorFlow's one-dimensional scan,
-  and on accelerators it runs on the matrix units. Exact: every partial sum
-  is an integer of at most 64, which float32 holds exactly.
+  and on accelerators it runs on the matrix units. Exact: the inputs are 0
+  or 1 (exact in bfloat16 and TF32 too) and every partial sum is an integer
+  of at most 64, which the float32 accumulator holds exactly.
   """
   n = mask.shape[0]
   if n <= _BLOCK:
