@@ -101,7 +101,8 @@ def launcher_config(args: argparse.Namespace) -> dict:
   cfg.update(spec.defaults)
   cfg.update(
       model="dlrm", config="default", data_dir="", replicator="multi_worker", tpu=None,
-      compression=COMPRESSION[args.config], warmup_steps=args.compression_warmup, min_size=0, model_dir="",
+      compression=COMPRESSION[args.config], warmup_steps=args.compression_warmup,
+      min_size=0, model_dir="",
       loop="custom", seed=args.seed, batch_size=args.batch_size, steps=args.steps,
       eval_every=0, log_every=10**9, optimizer=args.optimizer, learning_rate=args.learning_rate,
       sparsity=args.sparsity, threshold_life=args.threshold_life, density=args.density,
