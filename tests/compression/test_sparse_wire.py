@@ -85,6 +85,15 @@ class CompactTest(tf.test.TestCase, parameterized.TestCase):
       sparse_wire.compact(acc, mask, 0)
     with self.assertRaisesRegex(ValueError, "acc_flat must be rank 1"):
       sparse_wire.compact(tf.zeros([2, 2]), mask, 2)
+    with self.assertRaisesRegex(ValueError, "prefix_count: mask must be a rank-1 bool "
+                                "tensor of static length, got int32"):
+      sparse_wire.prefix_count(tf.zeros([4], tf.int32))
+    with self.assertRaisesRegex(ValueError, "prefix_count: mask must be a rank-1 bool"):
+      sparse_wire.prefix_count(tf.zeros([2, 2], tf.bool))
+    dynamic = tf.function(sparse_wire.prefix_count, input_signature=[
+        tf.TensorSpec([None], tf.bool)])
+    with self.assertRaisesRegex(ValueError, "of static length, got bool \\(None,\\)"):
+      dynamic.get_concrete_function()
     with self.assertRaisesRegex(ValueError, "ends must be int32 of the mask's shape"):
       sparse_wire.compact(acc, mask, 2, ends=tf.zeros([3], tf.int32))
     with self.assertRaisesRegex(ValueError, "ends must be int32"):

@@ -204,6 +204,9 @@ def prefix_count(mask: tf.Tensor) -> tf.Tensor:
   or 1 (exact in bfloat16 and TF32 too) and every partial sum is an integer
   of at most 64, which the float32 accumulator holds exactly.
   """
+  if mask.dtype != tf.bool or mask.shape.rank != 1 or mask.shape[0] is None:
+    raise ValueError(f"prefix_count: mask must be a rank-1 bool tensor of static "
+                     f"length, got {mask.dtype.name} {mask.shape}")
   n = mask.shape[0]
   if n <= _BLOCK:
     return tf.cumsum(tf.cast(mask, tf.int32))
