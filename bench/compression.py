@@ -26,10 +26,11 @@ Prints:
     tests/compression/reference_deft.py).
 (c) selection time per replica: `tf.math.top_k` over the whole concatenated
     model gradient (k = 1%) vs DEFT's per-replica selection (`deft.owned_top_k`
-    over the partitions the replica owns: top-k of the smallest static ladder
-    size >= k_x), each timed in
-    isolation on one device (median), the slowest replica reported; plus the
-    in-run selection_seconds of DEFT and TopK for context.
+    over the partitions the replica owns: outside XLA a top-k of k_x; also
+    `deft.ladder_top_k`, the XLA path: top-k of the smallest static ladder
+    size >= k_x), each timed in isolation on one device (median of
+    round-robin rounds), the slowest replica reported; plus the in-run
+    selection_seconds of DEFT and TopK for context.
 (d) step time of DCTDP(L=1000), DCTDP(L=1) (and the others) relative to
     Dense, n = 4, no network (logical CPUs share memory): interleaved timed
     blocks, median.
@@ -74,6 +75,11 @@ flags.DEFINE_integer("block", None, "steps per timed block (default 20, quick 5)
 flags.DEFINE_integer("batch_size", 256, "global batch")
 flags.DEFINE_list("real_n", None, "replica counts of the real runs "
                   "(default 2,4; quick 4: each run traces a 16-variable step)")
+flags.DEFINE_bool("step_time_only", False, "run part (d) alone: train each of "
+                  "--compressors for --steps steps on 4 replicas, then time them")
+flags.DEFINE_multi_string("compressors", None, "with --step_time_only: a "
+                          "compressor to time, repeatable (Dense is always "
+                          "timed, as the reference); default all")
 
 NUM_CPUS = 4
 DENSITY = 0.01
@@ -82,6 +88,10 @@ TOP = [512, 256, 128, 1]
 DENSE_IN, INTER = 13, 351          # 16 + 351 = 367 top-MLP input
 NAMES = ["Dense", "DCTDP(L=1000)", "DCTDP(L=1000,cf=1)", "DCTDP(L=1)", "DEFT",
          "TopK", "CLTK", "HardThreshold"]
+
+flags.register_validator(
+    "compressors", lambda names: names is None or set(names) <= set(NAMES),
+    message=f"--compressors: each must be one of {NAMES}")
 
 
 def make_compressor(name, lam):
@@ -277,7 +287,11 @@ def gradient_stream(model, data, sizes):
 # ----------------------------------------------------------------- selection
 
 def selection_times(flat, n, repeats):
-  """Median seconds: whole-model top-k vs the slowest DEFT replica."""
+  """Median seconds: whole-model top-k, and each DEFT replica's selection.
+
+  Returns (whole, per replica as implemented, per replica with the XLA
+  ladder, k_total, partitions). Every function is timed round-robin.
+  """
   sizes = flat["sizes"]
   g = flat["g"]
   n_g = g.size
@@ -289,33 +303,56 @@ def selection_times(flat, n, repeats):
   bins = reference_deft.pack(k, p_sizes, n)
   gt = tf.constant(g)
 
-  def timeit(fn):
-    fn()  # trace
-    ts = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      fn()
-      ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+  def replica(b, select):
+    mine = [(s, z, min(z, k_total)) for x, (_, s, z) in enumerate(parts)
+            if bins[x] == b]
+    # k_x is fed at run time, as in the compressor (not folded away).
+    ks = tf.constant([int(k[x]) for x in range(len(parts)) if bins[x] == b] or [0],
+                     tf.int32)
+    f = tf.function(lambda ks: [select(tf.abs(gt[s:s + z]), ks[i], bound,
+                                       tf.constant(True))
+                                for i, (s, z, bound) in enumerate(mine)])
+    return lambda: [o.numpy() for o in f(ks)]
 
   with tf.device("/cpu:0"):
     whole = tf.function(lambda: tf.math.top_k(tf.abs(gt), k_total).indices)
-    t_whole = timeit(lambda: whole().numpy())
-    per_replica = []
+    fns = {"whole": lambda: whole().numpy()}
     for b in range(n):
-      mine = [(s, z, min(z, k_total)) for x, (_, s, z) in enumerate(parts)
-              if bins[x] == b]
-      # DEFT's own selection: top-k of the smallest ladder size >= k_x,
-      # with k_x fed at run time as in the compressor (not folded away).
-      ks = tf.constant([int(k[x]) for x in range(len(parts)) if bins[x] == b] or [0],
-                       tf.int32)
+      fns[("impl", b)] = replica(b, deft.owned_top_k)    # exact k_x
+      fns[("ladder", b)] = replica(b, deft.ladder_top_k)  # the XLA path
+    for fn in fns.values():
+      fn()  # trace
+    ts = {key: [] for key in fns}
+    for _ in range(repeats):
+      for key, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        ts[key].append(time.perf_counter() - t0)
+  med = {key: float(np.median(t)) for key, t in ts.items()}
+  return (med["whole"], [med[("impl", b)] for b in range(n)],
+          [med[("ladder", b)] for b in range(n)], k_total, len(parts))
 
-      def sel(ks, mine=mine):
-        return [deft.owned_top_k(tf.abs(gt[s:s + z]), ks[i], bound, tf.constant(True))
-                for i, (s, z, bound) in enumerate(mine)]
-      f = tf.function(sel)
-      per_replica.append(timeit(lambda f=f, ks=ks: [o.numpy() for o in f(ks)]))
-  return t_whole, per_replica, k_total, len(parts)
+
+def step_times(runs, names, repeats, block, trained):
+  """(d): median step time of each run in interleaved blocks, vs Dense."""
+  for run in runs.values():
+    run.steps(2)
+  times = {name: [] for name in names}
+  for rep in range(repeats):
+    order = names[rep % len(names):] + names[:rep % len(names)]
+    for name in order:
+      t0 = time.perf_counter()
+      runs[name].steps(block)
+      times[name].append((time.perf_counter() - t0) / block)
+  base = np.median(times["Dense"])
+  print(f"\n(d) step time, n = 4, global batch {FLAGS.batch_size}, no network, "
+        f"after {trained} + 2 steps, median of {repeats} interleaved blocks of "
+        f"{block} steps")
+  print("| compressor | median ms/step | ratio to Dense |")
+  print("|---|---|---|")
+  for name in names:
+    m = np.median(times[name])
+    print(f"| {name} | {m * 1e3:.2f} | {m / base:.3f} |")
 
 
 # ---------------------------------------------------------------------- main
@@ -346,6 +383,18 @@ def main(argv):
   # first gradient (whole model), i.e. ~1% on step 0 before any build-up.
   lam = float(np.quantile(np.abs(g0), 1 - DENSITY))
   print(f"HardThreshold lambda = {lam:.3e} (99th percentile of |g| at init)")
+
+  if FLAGS.step_time_only:
+    names = ["Dense"] + [c for c in FLAGS.compressors or NAMES if c != "Dense"]
+    runs = {}
+    for name in names:
+      runs[name] = Run(name, 4, lam, data, weights)
+      runs[name].steps(steps)
+      print(f"[{time.time() - start:.0f}s] {name}: {steps} steps", flush=True)
+    step_times(runs, names, repeats, block, steps)
+    print(f"\ntotal runtime {time.time() - start:.0f}s")
+    sys.stdout.flush()
+    os._exit(0)  # pylint: disable=protected-access
 
   # (a), (b) real replicas, (d) timing.
   runs = {}
@@ -390,15 +439,21 @@ def main(argv):
 
   print(f"\n[{time.time() - start:.0f}s] (c) selection ...")
   sel_rep = 5 if quick else 15
-  t_whole, t_rep, k_total, parts = selection_times(
+  t_whole, t_rep, t_ladder, k_total, parts = selection_times(
       {"g": g0, "sizes": sizes}, 4, sel_rep)
-  slow = max(t_rep)
+  slow, slow_ladder = max(t_rep), max(t_ladder)
   print(f"\n(c) selection, n = 4, n_g = {n_g}, k_total = {k_total}, "
-        f"{parts} DEFT partitions; isolated on /cpu:0, median of {sel_rep}")
+        f"{parts} DEFT partitions; isolated on /cpu:0, median of {sel_rep} "
+        f"round-robin rounds")
   print(f"whole-model tf.math.top_k: {t_whole * 1e3:.2f} ms")
-  print("DEFT per replica: " + ", ".join(f"{t * 1e3:.2f}" for t in t_rep)
+  print("DEFT per replica (top-k of k_x, as run outside XLA): "
+        + ", ".join(f"{t * 1e3:.2f}" for t in t_rep)
         + f" ms; slowest {slow * 1e3:.2f} ms -> speed-up {t_whole / slow:.2f}x "
         f"(goal >= 4x)")
+  print("DEFT per replica with the XLA path's top-k size ladder: "
+        + ", ".join(f"{t * 1e3:.2f}" for t in t_ladder)
+        + f" ms; slowest {slow_ladder * 1e3:.2f} ms -> speed-up "
+        f"{t_whole / slow_ladder:.2f}x")
   print(f"in-run selection_seconds per replica-step (4 replicas sharing 2 cores): "
         f"DEFT {real[('DEFT', 4)]['sel_ms']:.2f} ms, "
         f"TopK (per-layer) {real[('TopK', 4)]['sel_ms']:.2f} ms, "
@@ -406,23 +461,7 @@ def main(argv):
         f"DCTDP(L=1) {real[('DCTDP(L=1)', 4)]['sel_ms']:.2f} ms")
 
   print(f"\n[{time.time() - start:.0f}s] (d) step time ...")
-  for run in runs.values():
-    run.steps(2)
-  times = {name: [] for name in NAMES}
-  for rep in range(repeats):
-    order = NAMES[rep % len(NAMES):] + NAMES[:rep % len(NAMES)]
-    for name in order:
-      t0 = time.perf_counter()
-      runs[name].steps(block)
-      times[name].append((time.perf_counter() - t0) / block)
-  base = np.median(times["Dense"])
-  print(f"\n(d) step time, n = 4, global batch {FLAGS.batch_size}, no network, "
-        f"median of {repeats} interleaved blocks of {block} steps")
-  print("| compressor | median ms/step | ratio to Dense |")
-  print("|---|---|---|")
-  for name in NAMES:
-    m = np.median(times[name])
-    print(f"| {name} | {m * 1e3:.2f} | {m / base:.3f} |")
+  step_times(runs, NAMES, repeats, block, steps)
   print(f"\ntotal runtime {time.time() - start:.0f}s")
   sys.stdout.flush()
   os._exit(0)  # pylint: disable=protected-access

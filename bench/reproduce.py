@@ -53,7 +53,8 @@ def build_parser(found: dict[str, object]) -> argparse.ArgumentParser:
   every = sub.add_parser("all", help="run every study in turn")
   common.define_common(every)
   for name, module in found.items():
-    p = sub.add_parser(name, help=module.DESCRIPTION)
+    # argparse formats help with %: a literal one (e.g. "90%") must be doubled.
+    p = sub.add_parser(name, help=module.DESCRIPTION.replace("%", "%%"))
     common.define_common(p)
     module.define(p)
   return parser

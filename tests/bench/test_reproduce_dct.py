@@ -8,6 +8,8 @@ metrics, the byte model) and the markdown / PNG output. They check the
 plumbing, not the numbers (those are in docs/reproduction/).
 """
 
+import contextlib
+import io
 import os
 
 import tensorflow as tf
@@ -31,6 +33,15 @@ def setUpModule():
 
 
 class ReproduceDctTest(tf.test.TestCase):
+
+  def test_help_lists_every_study(self):
+    # A study description with a literal % once broke argparse's help.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), self.assertRaises(SystemExit) as done:
+      reproduce.main(["--help"])
+    self.assertEqual(done.exception.code, 0)
+    for study in reproduce.discover():
+      self.assertIn(study, out.getvalue())
 
   def test_table1_tiny_run_writes_table_and_plot(self):
     out = self.create_tempdir().full_path

@@ -164,14 +164,17 @@ class OwnedTopKTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(deft.top_k_sizes(10), [10])
     self.assertEqual(deft.top_k_sizes(300), [64, 128, 256, 300])
 
-  @parameterized.named_parameters(("eager", False), ("xla", True))
-  def test_matches_sorted_numpy_prefix(self, jit):
+  @parameterized.named_parameters(
+      ("exact_k", "owned_top_k", False),   # outside XLA: top-k of k itself
+      ("xla", "owned_top_k", True),        # under XLA: the ladder
+      ("ladder", "ladder_top_k", False))
+  def test_matches_sorted_numpy_prefix(self, fn, jit):
     n, bound = 700, 300
     rng = np.random.default_rng(5)
     # Quantized magnitudes: many ties, which must go to the lower position.
     magnitude = np.round(rng.uniform(0, 1, n) * 50).astype(np.float32)
     expected = np.argsort(-magnitude, kind="stable")
-    select = tf.function(deft.owned_top_k, jit_compile=jit)
+    select = tf.function(getattr(deft, fn), jit_compile=jit)
     x = tf.constant(magnitude)
     # Every rung of [64, 128, 256, 300], both sides of each boundary.
     for k in (1, 63, 64, 65, 128, 129, 256, 257, 299, 300):
@@ -180,6 +183,11 @@ class OwnedTopKTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllEqual(got[:k], expected[:k], msg=f"k={k}")
     self.assertAllEqual(select(x, tf.constant(5), bound, tf.constant(False)),
                         np.zeros(bound, np.int32))
+    if not jit:  # which selection the graph holds: a switch over sizes or not
+      graph = select.get_concrete_function(
+          x, tf.constant(5), bound, tf.constant(True)).graph
+      ops = {op.type for op in graph.get_operations()}
+      self.assertEqual(bool(ops & {"Case", "StatelessCase"}), fn == "ladder_top_k")
 
 
 class DensityTest(tf.test.TestCase):

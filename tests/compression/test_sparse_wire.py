@@ -75,8 +75,10 @@ class CompactTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_scatter_sum_drops_padding_and_sums_duplicates(self):
     idx = tf.constant([0, 2, 2, 4, 4], tf.int32)  # n = 4: index 4 is padding
-    val = tf.constant([1.0, 2.0, 3.0, 0.0, 0.0])
-    self.assertAllEqual(sparse_wire.scatter_sum(idx, val, 4), [1.0, 0.0, 5.0, 0.0])
+    val = tf.constant([1.0, 2.0, 3.0, 7.0, -9.0])  # padding values never count
+    jitted = tf.function(sparse_wire.scatter_sum, jit_compile=True)
+    for scatter in (sparse_wire.scatter_sum, jitted):
+      self.assertAllEqual(scatter(idx, val, 4), [1.0, 0.0, 5.0, 0.0])
 
   def test_bad_arguments(self):
     acc = tf.zeros([4])
@@ -235,6 +237,13 @@ class EncodingTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllEqual(jit_words, words, msg=name)
       self.assertAllEqual(tf.function(decode, jit_compile=True)(jit_words),
                           idx, msg=name)
+      # Several replicas' words decode in one call, row by row, whatever
+      # each row's count (here count, 0 and all slots).
+      rows = np.stack([idx, _sorted_positions(n, capacity, 0, seed=1),
+                       _sorted_positions(n, capacity, capacity, seed=2)])
+      batch = tf.stack([encode(tf.constant(r)) for r in rows])
+      for dec in (decode, tf.function(decode, jit_compile=True)):
+        self.assertAllEqual(dec(batch), rows, msg=name)
 
   def test_packing_is_byte_exact(self):
     # 5 one-byte offsets take 2 words (not 5); counts of one chunk, 1 word.
@@ -266,6 +275,11 @@ class EncodingTest(tf.test.TestCase, parameterized.TestCase):
                                             "int32"), 8 * 20_000)
     with self.assertRaisesRegex(ValueError, "index encoding must be"):
       sparse_wire.make_encoding("uint4", 10, 2)
+
+  def test_decode_rejects_words_of_rank_three(self):
+    enc = sparse_wire.make_encoding("chunk8", 40, 4)
+    with self.assertRaisesRegex(ValueError, "decode_indices: words must be rank 1 or 2"):
+      sparse_wire.decode_indices(tf.zeros([1, 1, enc.words], tf.int32), enc)
 
   def test_exchange_shrinks_the_gather_and_sorts_unsorted_input(self):
     n, capacity, replicas = 300, 6, util.NUM_CPUS

@@ -51,13 +51,14 @@ Conventions (tests/compression/reference_deft.py follows them exactly):
   counter of the group's first variable.
 * Selection (Algorithm 5). The owner runs `tf.math.top_k` on |acc| of the
   partition and keeps the first k_x; equal magnitudes go to the lower position
-  first. Shapes must be static, so the top-k size is the smallest of a ladder
-  of static sizes (powers of two from 64, capped at K_x = min(size_x,
-  k_total) >= k_x) that holds k_x, picked by a `tf.switch_case` at run time:
-  the sorted top-k is a prefix of any larger sorted top-k, so the kept k_x
+  first. Outside XLA the top-k size is k_x itself (a run-time value). Under
+  XLA shapes must be static, so the size is the smallest of a ladder of
+  static sizes (powers of two from 64, capped at K_x = min(size_x, k_total)
+  >= k_x) that holds k_x, picked by a `tf.switch_case` at run time: the
+  sorted top-k is a prefix of any larger sorted top-k, so the kept k_x
   positions are the same as with one top-k of K_x, at a cost of a top-k of at
-  most 2 k_x instead of K_x. Non-owners take a branch that returns zeros (no
-  collective inside any branch).
+  most 2 k_x instead of K_x. Non-owners run no top-k (no collective inside
+  any branch).
 * Wire (Algorithm 1 lines 7-9). Every replica knows every k_x, so partition x
   owns slots [o_x, o_x + k_x) of one union buffer of U = min(n_g,
   k_total + P - 1) int32 slots, o_x = sum of k_y for y < x. Each replica
@@ -100,6 +101,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tf_dct import _private
 from tf_dct import validation
 from tf_dct.compression import accounting
 from tf_dct.compression import error_feedback
@@ -239,8 +241,26 @@ def owned_top_k(magnitude: tf.Tensor, k: tf.Tensor, bound: int,
 
   The first `k` entries are the positions by decreasing magnitude (lower
   position first on ties), exactly those of `top_k(magnitude, bound)`; the
-  rest are unspecified. Runs a top-k of the smallest ladder size >= k
-  (`top_k_sizes`), or nothing when not `owned` (zeros). Needs k <= bound.
+  rest are unspecified. Nothing runs when not `owned` (zeros). Needs
+  1 <= k <= bound. Outside XLA the top-k size is `k` itself (TensorFlow's
+  kernels take it at run time); under XLA, which needs static sizes,
+  `ladder_top_k`.
+  """
+  if _private.in_xla_context():
+    return ladder_top_k(magnitude, k, bound, owned)
+
+  def exact():
+    top = tf.math.top_k(magnitude, k, sorted=True).indices
+    return tf.ensure_shape(tf.pad(top, [[0, bound - k]]), [bound])
+  return tf.cond(owned, exact, lambda: tf.zeros([bound], tf.int32))
+
+
+def ladder_top_k(magnitude: tf.Tensor, k: tf.Tensor, bound: int,
+                 owned: tf.Tensor) -> tf.Tensor:
+  """`owned_top_k` with static shapes only (for XLA).
+
+  Runs a top-k of the smallest ladder size >= k (`top_k_sizes`), picked by a
+  `tf.switch_case`, or nothing when not `owned` (zeros).
   """
   sizes = top_k_sizes(bound)
 

@@ -144,11 +144,13 @@ def _pack(values: tf.Tensor, nbytes: int, words: int) -> tf.Tensor:
 
 
 def _unpack(words: tf.Tensor, nbytes: int, length: int) -> tf.Tensor:
-  """Inverse of `_pack`: the first `length` values as int32."""
-  raw = tf.reshape(tf.bitcast(words, tf.uint8), [-1])[:length * nbytes]
+  """Inverse of `_pack` along the last axis: the first `length` values, int32."""
+  batch = words.shape[:-1].as_list()
+  raw = tf.reshape(tf.bitcast(words, tf.uint8), batch + [-1])
+  raw = raw[..., :length * nbytes]
   if nbytes == 1:
     return tf.cast(raw, tf.int32)
-  raw = tf.reshape(raw, [length, nbytes])
+  raw = tf.reshape(raw, batch + [length, nbytes])
   if nbytes == 2:
     return tf.cast(tf.bitcast(raw, tf.uint16), tf.int32)
   return tf.bitcast(raw, tf.int32)
@@ -175,19 +177,32 @@ def encode_indices(idx: tf.Tensor, encoding: Encoding) -> tf.Tensor:
 
 
 def decode_indices(words: tf.Tensor, encoding: Encoding) -> tf.Tensor:
-  """Inverse of `encode_indices`: int32[capacity] positions, padding = n."""
+  """Inverse of `encode_indices`: int32[..., capacity] positions, padding = n.
+
+  `words` is int32[encoding.words], or int32[r, encoding.words] to decode r
+  replicas' words in one go (one set of ops instead of r).
+  """
   if encoding.name == "int32":
     return words
+  if words.shape.rank not in (1, 2):
+    raise ValueError(f"decode_indices: words must be rank 1 or 2, got shape "
+                     f"{words.shape}")
   n, cap, nc = encoding.n, encoding.capacity, encoding.num_chunks
-  counts = _unpack(words[:encoding.count_words], encoding.count_bytes, nc)
-  offsets = _unpack(words[encoding.count_words:], encoding.offset_bytes, cap)
-  ends = tf.cumsum(counts)  # slot j is in chunk c iff ends[c-1] <= j < ends[c]
-  # chunk of slot j = number of chunks ending at or before j (O(nc + capacity)).
-  ended = tf.math.unsorted_segment_sum(tf.ones([nc], tf.int32),
-                                       tf.minimum(ends, cap), cap + 1)[:cap]
-  chunk_id = tf.cumsum(ended)
+  rows = words if words.shape.rank == 2 else words[None]
+  r = rows.shape[0]
+  counts = _unpack(rows[:, :encoding.count_words], encoding.count_bytes, nc)
+  offsets = _unpack(rows[:, encoding.count_words:], encoding.offset_bytes, cap)
+  ends = tf.cumsum(counts, axis=1)  # slot j is in chunk c iff ends[c-1] <= j < ends[c]
+  # chunk of slot j = number of chunks ending at or before j (O(nc + capacity)),
+  # counted per row: row i's chunk ends land in segments [i (cap + 1), ...).
+  row_base = tf.range(r, dtype=tf.int32)[:, None] * (cap + 1)
+  ended = tf.math.unsorted_segment_sum(
+      tf.ones([r * nc], tf.int32),
+      tf.reshape(tf.minimum(ends, cap) + row_base, [-1]), r * (cap + 1))
+  chunk_id = tf.cumsum(tf.reshape(ended, [r, cap + 1])[:, :cap], axis=1)
   slot = tf.range(cap, dtype=tf.int32)
-  return tf.where(slot < ends[-1], chunk_id * encoding.chunk + offsets, n)
+  idx = tf.where(slot < ends[:, -1:], chunk_id * encoding.chunk + offsets, n)
+  return idx if words.shape.rank == 2 else idx[0]
 
 
 _BLOCK = 64  # entries per block of `prefix_count`'s matrix product
@@ -283,7 +298,9 @@ def compact(acc_flat: tf.Tensor, mask: tf.Tensor, capacity: int,
 
 def scatter_sum(idx: tf.Tensor, val: tf.Tensor, n: int) -> tf.Tensor:
   """Dense vector of length n: sum of `val` at `idx`; index n is dropped."""
-  return tf.math.unsorted_segment_sum(val, idx, n + 1)[:n]
+  # A negative segment id is dropped, so the padding needs no extra segment
+  # (and the result no copy of its first n entries).
+  return tf.math.unsorted_segment_sum(val, tf.where(idx < n, idx, -1), n)
 
 
 def exchange_many(ctx: tf.distribute.ReplicaContext,
@@ -339,8 +356,7 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   out = []
   for enc, w_at, wire, v_at, cap, dtype in layout:
     words = rows[tf.int32][:, w_at:w_at + enc.words]
-    idx = tf.concat([decode_indices(words[r], enc) for r in range(replicas)],
-                    axis=0)
+    idx = tf.reshape(decode_indices(words, enc), [-1])  # every replica at once
     val = tf.reshape(rows[wire][:, v_at:v_at + cap], [-1])
     if val.dtype != dtype:
       val = tf.bitcast(val, dtype)
