@@ -33,8 +33,6 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
-import tf_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 100, "steps per run, a multiple of every period",
@@ -48,6 +46,7 @@ flags.DEFINE_integer("tail", 100, "steps with zero gradient after the last "
 
 def displacement(optimizer, grads) -> float:
   """How far `optimizer` moves a scalar weight (from 0) fed `grads` in turn."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   w = tf.Variable(0.0)
   step = tf.function(lambda g: optimizer.apply_gradients([(g, w)]))
   for g in grads:
@@ -65,6 +64,7 @@ def main(argv):
   lr = FLAGS.learning_rate
   if lr <= 0:
     raise app.UsageError(f"--learning_rate must be > 0, got {lr}")
+  import tf_keras  # pylint: disable=g-import-not-at-top  (after the flag checks: slow)
   makers = {"SGD": lambda: tf_keras.optimizers.SGD(lr),
             "Adam": lambda: tf_keras.optimizers.Adam(lr)}
   tail = [0.0] * FLAGS.tail

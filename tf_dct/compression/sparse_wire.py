@@ -297,9 +297,9 @@ def compact(acc_flat: tf.Tensor, mask: tf.Tensor, capacity: int,
 
 
 def scatter_sum(idx: tf.Tensor, val: tf.Tensor, n: int) -> tf.Tensor:
-  """Dense vector of length n: sum of `val` at `idx`; index n is dropped."""
-  # A negative segment id is dropped, so the padding needs no extra segment
-  # (and the result no copy of its first n entries).
+  """Dense vector of length n: sum of `val` at `idx`; indices >= n are dropped."""
+  # unsorted_segment_sum drops a negative segment id, so the padding (n)
+  # needs no extra segment, and the result no copy of its first n entries.
   return tf.math.unsorted_segment_sum(val, tf.where(idx < n, idx, -1), n)
 
 
