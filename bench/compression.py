@@ -28,9 +28,10 @@ Prints:
     model gradient (k = 1%) vs DEFT's per-replica selection (`deft.owned_top_k`
     over the partitions the replica owns: outside XLA a top-k of k_x; also
     `deft.ladder_top_k`, the XLA path: top-k of the smallest static ladder
-    size >= k_x), each timed in isolation on one device (median of
-    round-robin rounds), the slowest replica reported; plus the in-run
-    selection_seconds of DEFT and TopK for context.
+    size >= k_x), each timed in isolation on one device, a replica's
+    partitions one after another (median of round-robin rounds), the slowest
+    replica reported; plus the in-run selection_seconds of DEFT and TopK for
+    context.
 (d) step time of DCTDP(L=1000), DCTDP(L=1) (and the others) relative to
     Dense, n = 4, no network (logical CPUs share memory): interleaved timed
     blocks, median.
@@ -62,6 +63,7 @@ import tf_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct import compression  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct.compression import deft  # pylint: disable=g-import-not-at-top,wrong-import-position
+from bench.studies import deft_fig9_selection as fig9  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tests.compression import reference_deft  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -290,8 +292,10 @@ def selection_times(flat, n, repeats):
   """Median seconds: whole-model top-k, and each DEFT replica's selection.
 
   Returns (whole, per replica as implemented, per replica with the XLA
-  ladder, k_total, partitions, the call of an empty selection). Every
-  function is timed round-robin.
+  ladder, k_total, partitions, the call of an empty selection). Timed as in
+  the Fig 9 study (`bench/studies/deft_fig9_selection.py`, whose helpers
+  this uses): a replica's partitions one after another, every function
+  round-robin.
   """
   sizes = flat["sizes"]
   g = flat["g"]
@@ -302,37 +306,18 @@ def selection_times(flat, n, repeats):
   norms = [np.float32(np.linalg.norm(g[s:s + z])) * n for _, s, z in parts]
   k = reference_deft.local_k(norms, p_sizes, k_total)
   bins = reference_deft.pack(k, p_sizes, n)
-  gt = tf.constant(g)
-
-  def replica(b, select):
-    mine = [(s, z, min(z, k_total)) for x, (_, s, z) in enumerate(parts)
-            if bins[x] == b]
-    # k_x is fed at run time, as in the compressor (not folded away).
-    ks = tf.constant([int(k[x]) for x in range(len(parts)) if bins[x] == b] or [0],
-                     tf.int32)
-    f = tf.function(lambda ks: [select(tf.abs(gt[s:s + z]), ks[i], bound,
-                                       tf.constant(True))
-                                for i, (s, z, bound) in enumerate(mine)])
-    return lambda: [o.numpy() for o in f(ks)]
-
   with tf.device("/cpu:0"):
-    whole = tf.function(lambda: tf.math.top_k(tf.abs(gt), k_total).indices)
-    # The fixed cost of calling a function that selects almost nothing: it
-    # is paid per timed call, not per selection inside a training step.
-    empty = tf.function(lambda: tf.math.top_k(tf.abs(gt[:1]), 1).indices)
-    fns = {"whole": lambda: whole().numpy(), "empty": lambda: empty().numpy()}
-    for b in range(n):
-      fns[("impl", b)] = replica(b, deft.owned_top_k)    # exact k_x
-      fns[("ladder", b)] = replica(b, deft.ladder_top_k)  # the XLA path
-    for fn in fns.values():
-      fn()  # trace
-    ts = {key: [] for key in fns}
-    for _ in range(repeats):
-      for key, fn in fns.items():
-        t0 = time.perf_counter()
-        fn()
-        ts[key].append(time.perf_counter() - t0)
-  med = {key: float(np.median(t)) for key, t in ts.items()}
+    gt = tf.constant(g)
+  fns = {"whole": fig9.selection(gt, [(0, n_g, k_total)]),
+         # the fixed cost of a call: paid per timed call, not per step
+         "empty": fig9.selection(gt, [(0, 1, 1)])}
+  for b in range(n):
+    # (start, size, k_x, bound); k_x is fed at run time, as in the compressor.
+    mine = [(s, z, int(k[x]), min(z, k_total))
+            for x, (_, s, z) in enumerate(parts) if bins[x] == b]
+    fns[("impl", b)] = fig9.selection(gt, mine, deft.owned_top_k)
+    fns[("ladder", b)] = fig9.selection(gt, mine, deft.ladder_top_k)
+  med = fig9.time_interleaved(fns, repeats)
   return (med["whole"], [med[("impl", b)] for b in range(n)],
           [med[("ladder", b)] for b in range(n)], k_total, len(parts),
           med["empty"])
@@ -402,7 +387,8 @@ def main(argv):
                   runs[name].compressor.communication_stats()["variables"].values()]
       done = sum(sum(c["refreshes"]) for c in counters if "refreshes" in c)
       early = sum(sum(c.get("early_refreshes", [0])) for c in counters)
-      slots = sum(4 for c in counters if "refreshes" in c) * runs[name].stats()["steps"]
+      slots = (runs[name].n * runs[name].stats()["steps"]
+               * sum(1 for c in counters if "refreshes" in c))
       if done:
         print(f"{name}: tau recomputed on {done} of {slots} variable-replica-steps "
               f"({done / slots:.1%}; density guard: {early})")
@@ -457,8 +443,8 @@ def main(argv):
       {"g": g0, "sizes": sizes}, 4, sel_rep)
   slow, slow_ladder = max(t_rep), max(t_ladder)
   print(f"\n(c) selection, n = 4, n_g = {n_g}, k_total = {k_total}, "
-        f"{parts} DEFT partitions; isolated on /cpu:0, median of {sel_rep} "
-        f"round-robin rounds")
+        f"{parts} DEFT partitions; isolated on /cpu:0, a replica's partitions "
+        f"in turn, median of {sel_rep} round-robin rounds")
   print(f"whole-model tf.math.top_k: {t_whole * 1e3:.2f} ms")
   print("DEFT per replica (top-k of k_x, as run outside XLA): "
         + ", ".join(f"{t * 1e3:.2f}" for t in t_rep)
