@@ -29,9 +29,11 @@ Prints:
     over the partitions the replica owns: outside XLA a top-k of k_x; also
     `deft.ladder_top_k`, the XLA path: top-k of the smallest static ladder
     size >= k_x), each timed in isolation on one device, a replica's
-    partitions one after another (median of round-robin rounds), the slowest
-    replica reported; plus the in-run selection_seconds of DEFT and TopK for
-    context.
+    partitions one after another, per selection inside a graph (10
+    selections per call in a loop, so the ~1 ms cost of a call from Python is
+    not counted once per selection; one call per selection is printed too),
+    median of round-robin passes, the slowest replica reported; plus the
+    in-run selection_seconds of DEFT and TopK for context.
 (d) step time of DCTDP(L=1000), DCTDP(L=1) (and the others) relative to
     Dense, n = 4, no network (logical CPUs share memory): interleaved timed
     blocks, median.
@@ -39,6 +41,7 @@ Prints:
 Usage:
   python bench/compression.py            # full
   python bench/compression.py --quick    # n = 4 only, 6 steps; ~8 min on 2 cores (goal was < 2 min)
+  python bench/compression.py --selection_only   # (c) alone, ~1 min
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ flags.DEFINE_bool("step_time_only", False, "run part (d) alone: train each of "
 flags.DEFINE_multi_string("compressors", None, "with --step_time_only: a "
                           "compressor to time, repeatable (Dense is always "
                           "timed, as the reference); default all")
+flags.DEFINE_bool("selection_only", False, "run part (c) alone: DEFT's "
+                  "per-replica selection time vs whole-model top-k")
 
 NUM_CPUS = 4
 DENSITY = 0.01
@@ -288,14 +293,17 @@ def gradient_stream(model, data, sizes):
 
 # ----------------------------------------------------------------- selection
 
-def selection_times(flat, n, repeats):
+def selection_times(flat, n, repeats, rounds=10):
   """Median seconds: whole-model top-k, and each DEFT replica's selection.
 
-  Returns (whole, per replica as implemented, per replica with the XLA
-  ladder, k_total, partitions, the call of an empty selection). Timed as in
-  the Fig 9 study (`bench/studies/deft_fig9_selection.py`, whose helpers
-  this uses): a replica's partitions one after another, every function
-  round-robin.
+  Returns a dict: "whole", "impl" (per replica, as implemented), "ladder"
+  (per replica, the XLA path's ladder), "empty" (a selection of 1 of 1
+  entry), all per selection inside a graph (`rounds` selections per call,
+  in a loop, the call's time divided by `rounds`); "whole_call" and
+  "impl_call", the same timed one call per selection; "k_total" and
+  "parts". Timed as in the Fig 9 study (`bench/studies/deft_fig9_selection.py`,
+  whose helpers this uses): a replica's partitions one after another, every
+  function round-robin.
   """
   sizes = flat["sizes"]
   g = flat["g"]
@@ -308,19 +316,24 @@ def selection_times(flat, n, repeats):
   bins = reference_deft.pack(k, p_sizes, n)
   with tf.device("/cpu:0"):
     gt = tf.constant(g)
-  fns = {"whole": fig9.selection(gt, [(0, n_g, k_total)]),
-         # the fixed cost of a call: paid per timed call, not per step
-         "empty": fig9.selection(gt, [(0, 1, 1)])}
+  fns = {"whole": fig9.selection(gt, [(0, n_g, k_total)], rounds=rounds),
+         "empty": fig9.selection(gt, [(0, 1, 1)], rounds=rounds),
+         "whole_call": fig9.selection(gt, [(0, n_g, k_total)])}
   for b in range(n):
     # (start, size, k_x, bound); k_x is fed at run time, as in the compressor.
     mine = [(s, z, int(k[x]), min(z, k_total))
             for x, (_, s, z) in enumerate(parts) if bins[x] == b]
-    fns[("impl", b)] = fig9.selection(gt, mine, deft.owned_top_k)
-    fns[("ladder", b)] = fig9.selection(gt, mine, deft.ladder_top_k)
+    fns[("impl", b)] = fig9.selection(gt, mine, deft.owned_top_k, rounds)
+    fns[("ladder", b)] = fig9.selection(gt, mine, deft.ladder_top_k, rounds)
+    fns[("impl_call", b)] = fig9.selection(gt, mine, deft.owned_top_k)
   med = fig9.time_interleaved(fns, repeats)
-  return (med["whole"], [med[("impl", b)] for b in range(n)],
-          [med[("ladder", b)] for b in range(n)], k_total, len(parts),
-          med["empty"])
+  out = {"whole": med["whole"] / rounds, "empty": med["empty"] / rounds,
+         "whole_call": med["whole_call"], "k_total": k_total,
+         "parts": len(parts), "rounds": rounds}
+  out["impl"] = [med[("impl", b)] / rounds for b in range(n)]
+  out["ladder"] = [med[("ladder", b)] / rounds for b in range(n)]
+  out["impl_call"] = [med[("impl_call", b)] for b in range(n)]
+  return out
 
 
 def step_times(runs, names, repeats, block, trained):
@@ -343,6 +356,31 @@ def step_times(runs, names, repeats, block, trained):
   for name in names:
     m = np.median(times[name])
     print(f"| {name} | {m * 1e3:.2f} | {m / base:.3f} |")
+
+
+def selection_report(g0, sizes, sel_rep):
+  """(c): prints DEFT's per-replica selection time vs whole-model top-k."""
+  sel = selection_times({"g": g0, "sizes": sizes}, 4, sel_rep)
+  t_whole, t_rep, t_ladder = sel["whole"], sel["impl"], sel["ladder"]
+  slow, slow_ladder = max(t_rep), max(t_ladder)
+  print(f"\n(c) selection, n = 4, n_g = {g0.size}, k_total = {sel['k_total']}, "
+        f"{sel['parts']} DEFT partitions; isolated on /cpu:0, a replica's "
+        f"partitions in turn, per selection inside a graph ({sel['rounds']} "
+        f"per call, in a loop), median of {sel_rep} round-robin passes")
+  print(f"whole-model tf.math.top_k: {t_whole * 1e3:.2f} ms")
+  print("DEFT per replica (top-k of k_x, as run outside XLA): "
+        + ", ".join(f"{t * 1e3:.2f}" for t in t_rep)
+        + f" ms; slowest {slow * 1e3:.2f} ms -> speed-up {t_whole / slow:.2f}x "
+        f"(goal >= 4x)")
+  print("DEFT per replica with the XLA path's top-k size ladder: "
+        + ", ".join(f"{t * 1e3:.2f}" for t in t_ladder)
+        + f" ms; slowest {slow_ladder * 1e3:.2f} ms -> speed-up "
+        f"{t_whole / slow_ladder:.2f}x")
+  print(f"a selection of 1 of 1 entry takes {sel['empty'] * 1e3:.3f} ms")
+  print(f"one call per selection (a fixed ~1 ms per call from Python on both "
+        f"sides): whole {sel['whole_call'] * 1e3:.2f} ms, DEFT slowest "
+        f"{max(sel['impl_call']) * 1e3:.2f} ms -> "
+        f"{sel['whole_call'] / max(sel['impl_call']):.2f}x")
 
 
 # ---------------------------------------------------------------------- main
@@ -373,6 +411,11 @@ def main(argv):
   # first gradient (whole model), i.e. ~1% on step 0 before any build-up.
   lam = float(np.quantile(np.abs(g0), 1 - DENSITY))
   print(f"HardThreshold lambda = {lam:.3e} (99th percentile of |g| at init)")
+
+  if FLAGS.selection_only:
+    selection_report(g0, sizes, FLAGS.repeats or (15 if quick else 31))
+    print(f"\ntotal runtime {time.time() - start:.0f}s")
+    return
 
   if FLAGS.step_time_only:
     names = ["Dense"] + [c for c in FLAGS.compressors or NAMES if c != "Dense"]
@@ -438,26 +481,7 @@ def main(argv):
     print(f"| {name} | " + " | ".join(row) + " |")
 
   print(f"\n[{time.time() - start:.0f}s] (c) selection ...")
-  sel_rep = 15 if quick else 31
-  t_whole, t_rep, t_ladder, k_total, parts, t_empty = selection_times(
-      {"g": g0, "sizes": sizes}, 4, sel_rep)
-  slow, slow_ladder = max(t_rep), max(t_ladder)
-  print(f"\n(c) selection, n = 4, n_g = {n_g}, k_total = {k_total}, "
-        f"{parts} DEFT partitions; isolated on /cpu:0, a replica's partitions "
-        f"in turn, median of {sel_rep} round-robin rounds")
-  print(f"whole-model tf.math.top_k: {t_whole * 1e3:.2f} ms")
-  print("DEFT per replica (top-k of k_x, as run outside XLA): "
-        + ", ".join(f"{t * 1e3:.2f}" for t in t_rep)
-        + f" ms; slowest {slow * 1e3:.2f} ms -> speed-up {t_whole / slow:.2f}x "
-        f"(goal >= 4x)")
-  print("DEFT per replica with the XLA path's top-k size ladder: "
-        + ", ".join(f"{t * 1e3:.2f}" for t in t_ladder)
-        + f" ms; slowest {slow_ladder * 1e3:.2f} ms -> speed-up "
-        f"{t_whole / slow_ladder:.2f}x")
-  print(f"a call that selects 1 of 1 entry takes {t_empty * 1e3:.2f} ms; without "
-        f"it (paid once per timed call, not per step): speed-up "
-        f"{(t_whole - t_empty) / (slow - t_empty):.2f}x as implemented, "
-        f"{(t_whole - t_empty) / (slow_ladder - t_empty):.2f}x with the ladder")
+  selection_report(g0, sizes, 15 if quick else 31)
   print(f"in-run selection_seconds per replica-step (4 replicas sharing 2 cores): "
         f"DEFT {real[('DEFT', 4)]['sel_ms']:.2f} ms, "
         f"TopK (per-layer) {real[('TopK', 4)]['sel_ms']:.2f} ms, "

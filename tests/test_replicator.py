@@ -144,6 +144,12 @@ class RunTest(tf.test.TestCase):
       tf_dct.Replicator(devices, input_replication="per_worker")
     with self.assertRaisesRegex(TypeError, "input_split_fn must be callable"):
       tf_dct.Replicator(devices, input_split_fn=3)
+    with self.assertRaisesRegex(ValueError, r"jit_compile=True needs exactly "
+                                r"one device, got 2 \(/cpu:0, /cpu:1\)"):
+      tf_dct.Replicator(devices[:2], jit_compile=True)
+    with self.assertRaisesRegex(ValueError, "jit_compile=True needs exactly one"):
+      tf_dct.Replicator(devices[:2], num_devices_per_replica=2, jit_compile=True)
+    tf_dct.Replicator(devices[:1], jit_compile=True)  # one device: allowed
 
 
 class LogicalDeviceTest(tf.test.TestCase):

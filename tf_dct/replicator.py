@@ -250,7 +250,8 @@ class Replicator(ReplicatorMixin, tf.distribute.MirroredStrategy):
     input_replication: `PER_WORKER` (default) or `PER_REPLICA`.
     input_split_fn: `(element, n) -> list of n elements` for PER_WORKER input;
       default splits the leading (batch) dimension evenly.
-    jit_compile: compile `run(step_fn, input_fn)` steps with XLA.
+    jit_compile: compile `run(step_fn, input_fn)` steps with XLA; needs a
+      single device (XLA compiles a step for one device).
     cross_device_ops: passed to `MirroredStrategy`.
   """
 
@@ -262,6 +263,15 @@ class Replicator(ReplicatorMixin, tf.distribute.MirroredStrategy):
       devices = [d.name for d in tf.config.list_logical_devices("GPU")] or [
           d.name for d in tf.config.list_logical_devices("CPU")]
     groups = group_devices(devices, num_devices_per_replica)
+    if jit_compile and len(devices) > 1:
+      # XLA compiles the step for one device; a step over several devices
+      # reads variables on each of them, which XLA refuses only at run time.
+      raise ValueError(
+          f"Replicator: jit_compile=True needs exactly one device, got "
+          f"{len(devices)} ({', '.join(devices)}). XLA compiles a step for a "
+          "single device; compile with XLA on TPU (TPUReplicator) or with one "
+          "device per process (MultiWorkerReplicator), or pass "
+          "jit_compile=False")
     self._init_replicator(groups, input_replication, input_split_fn, jit_compile)
     _private.set_collective_key_base(self, _private.next_collective_key_base())
     super().__init__(devices=[g[0] for g in groups],

@@ -1,7 +1,13 @@
 """Tests for tf_dct.compression.DEFT against the numpy reference."""
 
+import json
+import os
+import subprocess
+import sys
+
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_dct
@@ -191,7 +197,9 @@ class OwnedTopKTest(tf.test.TestCase, parameterized.TestCase):
 
 
 class DensityTest(tf.test.TestCase):
-  """Achieved density at 2, 4 and 8 replicas (numpy simulation of the plan)."""
+  """Achieved density at 2, 4 and 8 replicas: the numpy simulation of the
+  plan, and tf_dct's DEFT and TopK on 8 real replicas (DEFTReferenceTest checks
+  DEFT's density on 2 and 4)."""
 
   def test_density_band_without_build_up(self):
     # n_g = 20800, density 0.01: k_total = 208; at 8 replicas the two largest
@@ -211,6 +219,24 @@ class DensityTest(tf.test.TestCase):
         self.assertBetween(d, 0.9 * density, 1.1 * density, msg=f"n={n}")
       if n == 8:  # whole-model top-k per replica builds up; DEFT does not
         self.assertGreater(min(topk_density), 2 * density)
+
+
+  @pytest.mark.slow
+  def test_eight_real_replicas(self):
+    # tf_dct's own DEFT and TopK on 8 replicas (a subprocess: this process has
+    # 4 logical CPUs); 2 and 4 replicas are checked in process.
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          "density_script.py")
+    proc = subprocess.run([sys.executable, script], capture_output=True,
+                          text=True, timeout=600, check=False)
+    self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
+    density = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("last", "mean"):
+      self.assertLen(density["deft"][key], 8)
+      for d in density["deft"][key]:  # no build-up: within 10% of 0.01
+        self.assertBetween(d, 0.009, 0.011, msg=key)
+      for d in density["topk"][key]:  # the union of 8 selections builds up
+        self.assertGreater(d, 4 * 0.01, msg=key)
 
 
 class AccountingTest(tf.test.TestCase):
