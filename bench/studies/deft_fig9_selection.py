@@ -31,12 +31,23 @@ QUICK_CONFIG = {"embedding_dim": 256, "hidden_dim": 256, "num_layers": 2,
                 "dropout": 0.0}
 
 
+def _rounds(text: str) -> int:
+  """argparse type of --rounds: an int >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+  return value
+
+
 def define(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--n", default="2,4,8,16", help="worker counts")
   parser.add_argument("--density", type=float, default=0.01)
   parser.add_argument("--repeats", type=int, default=None,
                       help="timed round-robin passes (default 9, quick 5)")
-  parser.add_argument("--rounds", type=int, default=10,
+  parser.add_argument("--rounds", type=_rounds, default=10,
                       help="selections per timed call, run in a loop inside "
                       "the graph (1: one call per selection)")
 
@@ -92,6 +103,9 @@ def selection(gt, pieces, select=None, rounds=1):
   be hoisted out of the loop.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+    raise ValueError(f"selection: rounds must be an int >= 1, got {rounds!r}")
 
   def one_round(x, ks):
     done = []

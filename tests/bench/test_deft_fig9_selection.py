@@ -1,5 +1,9 @@
 """bench/studies/deft_fig9_selection.py: its timed selection function."""
 
+import argparse
+import contextlib
+import io
+
 import numpy as np
 import tensorflow as tf
 
@@ -30,6 +34,23 @@ class SelectionTest(tf.test.TestCase):
     bounded = [p + (p[1],) for p in pieces]
     self.assertEqual(int(fig9.selection(gt, bounded, deft.owned_top_k,
                                         rounds=3)().numpy()), 3 * one)
+
+
+  def test_bad_rounds_are_refused_by_name(self):
+    gt = tf.constant([1.0, 2.0])
+    for rounds in (0, -1, 1.5, True):
+      with self.assertRaisesRegex(ValueError, "rounds must be an int >= 1"):
+        fig9.selection(gt, [(0, 2, 1)], rounds=rounds)
+    parser = argparse.ArgumentParser()
+    fig9.define(parser)
+    err = io.StringIO()
+    for bad in ("0", "x"):
+      with contextlib.redirect_stderr(err), self.assertRaises(SystemExit):
+        parser.parse_args(["--rounds", bad])
+    self.assertIn("argument --rounds: must be an int >= 1, got '0'",
+                  err.getvalue())
+    self.assertIn("got 'x'", err.getvalue())
+    self.assertEqual(parser.parse_args(["--rounds", "3"]).rounds, 3)
 
 
 if __name__ == "__main__":
