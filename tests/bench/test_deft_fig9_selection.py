@@ -35,7 +35,6 @@ class SelectionTest(tf.test.TestCase):
     self.assertEqual(int(fig9.selection(gt, bounded, deft.owned_top_k,
                                         rounds=3)().numpy()), 3 * one)
 
-
   def test_bad_rounds_are_refused_by_name(self):
     gt = tf.constant([1.0, 2.0])
     for rounds in (0, -1, 1.5, True):

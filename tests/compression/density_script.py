@@ -18,11 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct.compression import DEFT  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct.compression import TopK  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests.compression import harness  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # n_g = 13632 in three layers of different gradient scales; at 8 replicas
 # only the first is larger than n_g / 8 and splits: 10 partitions.
@@ -45,31 +45,12 @@ def gradients(replicas: int, seed: int):
 
 
 def run(n: int) -> dict:
-  """Both compressors on one n-replica replicator, each on its own variables."""
-  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(n)],
-                           input_replication=tf_dct.PER_REPLICA)
-  compressors = {"deft": DEFT(density=DENSITY), "topk": TopK(density=DENSITY)}
-  with repl.scope():
-    variables = {name: [tf.Variable(tf.zeros(s)) for s in SHAPES]
-                 for name in compressors}
-  for c in compressors.values():
-    c.bind(repl)
-  grads = gradients(n, seed=n)
-
-  def input_fn(replica_id):
-    return tf.data.Dataset.from_tensor_slices(tuple(
-        np.stack([step[replica_id][v] for step in grads])
-        for v in range(len(SHAPES))))
-
-  def step_fn(g):
-    return [c.aggregate(list(zip(g, variables[name])))[0][0]
-            for name, c in compressors.items()]
-
-  for _ in grads:
-    repl.experimental_local_results(repl.run(step_fn, input_fn))[0][0].numpy()
+  """Each compressor on its own n-replica replicator (the shared harness)."""
   out = {}
-  for name, c in compressors.items():
-    stats = c.communication_stats()
+  for name, make in (("deft", DEFT), ("topk", TopK)):
+    compressor = make(density=DENSITY)
+    harness.run(compressor, gradients(n, seed=n), n, shapes=SHAPES)
+    stats = compressor.communication_stats()
     out[name] = {"last": stats["last"]["density"],
                  "mean": stats["total"]["density"]}
   return out

@@ -220,7 +220,6 @@ class DensityTest(tf.test.TestCase):
       if n == 8:  # whole-model top-k per replica builds up; DEFT does not
         self.assertGreater(min(topk_density), 2 * density)
 
-
   @pytest.mark.slow
   def test_eight_real_replicas(self):
     # tf_dct's own DEFT and TopK on 8 replicas (a subprocess: this process has
