@@ -295,6 +295,28 @@ def main() -> None:
       except Exception as e:  # pylint: disable=broad-except
         return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
 
+    # Last: a failed closure must not disturb the sections before it.
+    @section("non_finite")
+    def _():
+      w, b = make_model()
+      push = AsyncPush(repl, DCTDP(0.9, threshold_life=7), learning_rate=LR,
+                       variables=[w, b])
+      train(push, w, b, 10)
+      before = {"w": w.numpy(), "residual_w": np.sum(push.residuals(w), 0)}
+
+      def bad_step_fn(batch):
+        _, grads = loss_and_grads(batch, w, b)
+        return push([grads[0], grads[1] * np.inf], [w, b])["entries_pushed"]
+      try:
+        repl.run(bad_step_fn, input_fn).fetch()
+        repl.join()
+        error = None
+      except Exception as e:  # pylint: disable=broad-except
+        error = f"{type(e).__name__}: {e}"
+      return {"error": error, "w_moved": float(np.abs(w.numpy() - before["w"]).max()),
+              "residual_moved": float(np.abs(
+                  np.sum(push.residuals(w), 0) - before["residual_w"]).max())}
+
   else:  # fault mode: a worker is killed and restarted during "worker_restart"
 
     ckpt_dir = os.path.join(args.result_dir, "ckpt")

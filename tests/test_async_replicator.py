@@ -158,6 +158,13 @@ class AsyncReplicatorTest(tf.test.TestCase):
     self.assertBetween(mean, 0.8 * k, 1.5 * k)
     self.assertLess(step_bytes.mean(), 2080 / 20)
 
+  def test_non_finite_gradient_raises_and_pushes_nothing(self):
+    record = self.section("non_finite")
+    self.assertIsNotNone(record["error"])
+    self.assertIn("AsyncPush: non-finite gradient for variable b", record["error"])
+    self.assertEqual(record["w_moved"], 0.0)
+    self.assertEqual(record["residual_moved"], 0.0)
+
   def test_conservation(self):
     record = self.section("conservation")
     for label in ("plain", "drain"):

@@ -185,6 +185,35 @@ def check_non_finite(test, compressor, message: str, grads=None,
     test.assertAllEqual(st["step"].numpy(), [3, 3])
 
 
+def check_non_finite_xla(test, make, bad=np.inf):
+  """Under XLA (which cannot raise) a non-finite step is undone, not applied.
+
+  `make()` returns a fresh compressor (two runs are compared). One replica, `jit_compile=True`; step 2 of 4 holds `bad` in variable 1.
+  That step's aggregate is NaN in every variable (as a dense all-reduce
+  would be), every state is exactly what it was before the step, and the
+  next finite step runs as if step 2 had never come.
+  """
+  grads = gradients(4, 1, seed=4)
+  grads[2][0][1][3] = bad
+  repl, step_fn, _, history = run(make(), grads, 1, jit_compile=True)
+  test.assertTrue(jit_step_compiled(repl, step_fn))
+  (_, before), (out, after), (_, later) = history[1], history[2], history[3]
+  for v, (want, got) in enumerate(zip(before, after)):
+    test.assertTrue(np.all(np.isnan(out[0][v])), msg=f"aggregate of w{v}")
+    test.assertTrue(want, msg="the compressor keeps state")
+    for key in want:
+      test.assertAllEqual(got[key], want[key], msg=f"w{v} {key}")
+  # The step after goes on from the state before the bad one, so it equals
+  # a run that never saw step 2.
+  skipped = [g for t, g in enumerate(grads) if t != 2]
+  _, _, _, clean = run(make(), skipped, 1, jit_compile=True)
+  out3, clean_out = history[3][0], clean[2][0]
+  for v in range(len(SHAPES)):
+    test.assertAllClose(out3[0][v], clean_out[0][v], rtol=0, atol=0)
+    for key in later[v]:
+      test.assertAllEqual(later[v][key], clean[2][1][v][key], msg=f"w{v} {key}")
+
+
 def check_non_float(test, compressor, message: str):
   repl = tf_dct.Replicator(["/cpu:0"])
   compressor.bind(repl)

@@ -100,6 +100,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
     harness.check_non_finite(self, CLTK(density=0.2),
                              "CLTK: non-finite gradient for variable")
 
+  def test_non_finite_gradient_under_xla_is_undone(self):
+    harness.check_non_finite_xla(self, lambda: CLTK(density=0.2), np.nan)
+
 
 if __name__ == "__main__":
   tf.test.main()

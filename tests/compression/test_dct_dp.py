@@ -166,6 +166,12 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
         self, DCTDP(sparsity=0.8, threshold_life=5, capacity_factor=1.5),
         "DCTDP: non-finite gradient for variable")
 
+  @parameterized.named_parameters(("inf", np.inf), ("nan", np.nan))
+  def test_non_finite_gradient_under_xla_is_undone(self, bad):
+    harness.check_non_finite_xla(
+        self, lambda: DCTDP(sparsity=0.8, threshold_life=5, capacity_factor=1.5),
+        bad)
+
 
 def _guard_reference(grads, sparsity, life, factor, band):
   """numpy DCT-DP of one variable with the density guard; per replica."""

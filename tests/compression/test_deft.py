@@ -315,6 +315,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
                              "DEFT: non-finite gradient for variable",
                              grads=grads, shapes=shapes)
 
+  def test_non_finite_gradient_under_xla_is_undone(self):
+    harness.check_non_finite_xla(self, lambda: DEFT(density=0.2))
+
 
 if __name__ == "__main__":
   tf.test.main()

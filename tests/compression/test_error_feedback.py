@@ -112,5 +112,17 @@ class HelpersTest(tf.test.TestCase):
       error_feedback.check_finite("Owner", [g], [v])[0].values.numpy()
 
 
+  def test_all_finite(self):
+    slices = lambda x: tf.IndexedSlices(tf.constant([[x, 1.0]]), tf.constant([1]),
+                                        tf.constant([2, 2]))
+    dense = tf.constant([1.0, -2.0])
+    self.assertTrue(error_feedback.all_finite([dense, slices(3.0)]).numpy())
+    self.assertTrue(error_feedback.all_finite([]).numpy())
+    for bad in (np.nan, np.inf, -np.inf):
+      self.assertFalse(error_feedback.all_finite([dense, slices(bad)]).numpy())
+      self.assertFalse(error_feedback.all_finite(
+          [tf.constant([bad, 0.0]), slices(3.0)]).numpy())
+
+
 if __name__ == "__main__":
   tf.test.main()

@@ -91,6 +91,10 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
     harness.check_non_finite(self, HardThreshold(1.0, capacity_density=0.2),
                              "HardThreshold: non-finite gradient for variable")
 
+  def test_non_finite_gradient_under_xla_is_undone(self):
+    harness.check_non_finite_xla(
+        self, lambda: HardThreshold(1.0, capacity_density=0.2))
+
 
 if __name__ == "__main__":
   tf.test.main()

@@ -112,6 +112,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
     harness.check_non_finite(self, TopK(density=0.2),
                              "TopK: non-finite gradient for variable")
 
+  def test_non_finite_gradient_under_xla_is_undone(self):
+    harness.check_non_finite_xla(self, lambda: TopK(density=0.2))
+
 
 if __name__ == "__main__":
   tf.test.main()

@@ -68,6 +68,7 @@ import tensorflow as tf
 from tf_dct import _private
 from tf_dct.compression import base
 from tf_dct.compression import dct_dp
+from tf_dct.compression import error_feedback
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.dense import Dense
 
@@ -226,24 +227,27 @@ class AsyncPush:
     if self.drain_every is not None:
       drain = tf.random.uniform([], seed=self._seed) < 1.0 / self.drain_every
     writes, entries, nbytes, dense, refreshes, early = [], [], [], [], [], []
-    for (grad, var), st in zip(pairs, states):
-      grad = tf.convert_to_tensor(grad)  # IndexedSlices: densified on the worker
-      grad = tf.debugging.check_numerics(
-          grad, f"AsyncPush: non-finite gradient for variable {var.name}")
-      n = var.shape.num_elements()
-      size = var.dtype.size
-      dense.append(tf.constant(n * size, tf.int64))
-      if not st:
-        writes.append(var.assign_sub(lr * tf.cast(grad, var.dtype)))
-        entries.append(tf.constant(n, tf.int64))
-        nbytes.append(tf.constant(n * size, tf.int64))
-        continue
-      out = self._sparse_push(grad, var, st, drain)
-      writes.extend(out["writes"])
-      entries.append(out["entries"])
-      nbytes.append(out["bytes"])
-      refreshes.append(out["refresh"])
-      early.append(out["early"])
+    # IndexedSlices are densified on the worker. Every gradient is checked
+    # before anything is pushed: one non-finite variable stops the whole step.
+    grads = error_feedback.check_finite(
+        "AsyncPush", [tf.convert_to_tensor(g) for g, _ in pairs],
+        [v for _, v in pairs])
+    with tf.control_dependencies(error_feedback.dependencies(grads)):
+      for grad, (_, var), st in zip(grads, pairs, states):
+        n = var.shape.num_elements()
+        size = var.dtype.size
+        dense.append(tf.constant(n * size, tf.int64))
+        if not st:
+          writes.append(var.assign_sub(lr * tf.cast(grad, var.dtype)))
+          entries.append(tf.constant(n, tf.int64))
+          nbytes.append(tf.constant(n * size, tf.int64))
+          continue
+        out = self._sparse_push(grad, var, st, drain)
+        writes.extend(out["writes"])
+        entries.append(out["entries"])
+        nbytes.append(out["bytes"])
+        refreshes.append(out["refresh"])
+        early.append(out["early"])
     with tf.control_dependencies(writes):
       stats = {
           "entries_pushed": tf.add_n(entries),

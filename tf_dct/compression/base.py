@@ -22,7 +22,9 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tf_dct import _private
 from tf_dct.compression import accounting
+from tf_dct.compression import error_feedback
 
 
 def state_key(position: int) -> str:
@@ -258,6 +260,46 @@ class Compressor(tf.Module):
           self._keys[ref] = key  # only once its state exists
       return [self.state[self._keys[v.ref()]] for v in variables]
 
+  def _snapshot(self, grads, states):
+    """Under XLA: this replica's finiteness flag and its state before the step.
+
+    XLA compiles the gradient checks (`check_numerics`) away, so a compiled
+    step cannot raise. Instead `aggregate` undoes a step in which any replica
+    saw a non-finite gradient: every state variable of the step is put back,
+    so nothing non-finite enters a residual and no threshold or step counter
+    moves.
+    """
+    saved = [(s.local(), s.local().read_value())
+             for st in states for s in st.values()]
+    return error_feedback.all_finite(grads), saved
+
+  def _undo_if_non_finite(self, ctx, undo, results):
+    """Restores the state and poisons the results when any replica was non-finite.
+
+    The aggregate becomes NaN on every replica, as a dense all-reduce of a
+    non-finite gradient would be, so the update is visibly non-finite (and
+    e.g. `tf_keras.callbacks.TerminateOnNaN` stops), while the compressor's
+    state stays as it was before the step. One scalar all-reduce decides it
+    for all replicas together: replicas must agree, or entries one replica
+    sent would be applied and also restored into its residual.
+    """
+    finite, saved = undo
+    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                         1.0 - tf.cast(finite, tf.float32))
+    ok = tf.equal(bad, 0.0)
+    done = [r.values if isinstance(r, tf.IndexedSlices) else r
+            for r in results if r is not None]
+    with tf.control_dependencies(done):
+      for var, before in saved:
+        var.assign(tf.where(ok, var.read_value(), before))
+
+    def poison(r):
+      if isinstance(r, tf.IndexedSlices):
+        return tf.IndexedSlices(poison(r.values), r.indices, r.dense_shape)
+      return tf.where(ok, r, tf.constant(float("nan"), r.dtype))
+
+    return [None if r is None else poison(r) for r in results]
+
   def aggregate(self, grads_and_vars) -> list:
     """Aggregates `(grad, var)` pairs of this replica; `None` grads pass through.
 
@@ -277,9 +319,15 @@ class Compressor(tf.Module):
     passed = [p for p, ex in zip(pairs, excluded) if ex]
     self._recording.records = {}
     try:
-      out_kept = iter(self.reduce(ctx, [g for g, _, _ in kept], [v for _, v, _ in kept],
-                                  [st for _, _, st in kept])
-                      if kept else [])
+      kept_grads = [g for g, _, _ in kept]
+      kept_states = [st for _, _, st in kept]
+      undo = (_private.in_xla_context() and any(kept_states)
+              and self._snapshot(kept_grads, kept_states))
+      out_kept = (self.reduce(ctx, kept_grads, [v for _, v, _ in kept], kept_states)
+                  if kept else [])
+      if undo:
+        out_kept = self._undo_if_non_finite(ctx, undo, out_kept)
+      out_kept = iter(out_kept)
       out_passed = iter(self.reduce_as_is(ctx, [g for g, _ in passed],
                                           [v for _, v in passed])
                         if passed else [])

@@ -38,11 +38,13 @@ them exactly):
   MirroredStrategy, a compressor with warmup_steps > 0 issues both the dense
   all-reduce and the sparse all-gather on every step (the unused one carries
   zeros); keep warmup_steps = 0 unless that cost is acceptable.
-* Non-finite gradients are an error: every incoming gradient is checked with
-  `tf.debugging.check_numerics` before any state of this step is read, so the
-  residual is never updated with them. State is written only after the step's
-  collectives complete, and those wait for every replica's checks, so when one
-  replica fails no replica's state advances (replicas stay in step).
+* Non-finite gradients are an error: every incoming gradient is checked
+  (`error_feedback.check_finite`) before any state of this step is read, so
+  the residual is never updated with them. State is written only after the
+  step's collectives complete, and those wait for every replica's checks, so
+  when one replica fails no replica's state advances (replicas stay in step).
+  Compiled with XLA, where nothing can raise, the step is undone instead:
+  the state is put back and the aggregate is NaN (`Compressor.aggregate`).
 * IndexedSlices gradients (embeddings) are not densified. Duplicate row ids
   are combined first (a static-shape sort and segment sum, summing in the
   order `tf.convert_to_tensor` would, so the result is bit-identical to the

@@ -80,10 +80,13 @@ Conventions (tests/compression/reference_deft.py follows them exactly):
   every step also issues that dense all-reduce (zeros after warmup), and the
   sparse collectives run during warmup with empty selections.
 * Non-finite gradients raise: every gradient passes
-  `tf.debugging.check_numerics` before any state is read, and state is
+  `error_feedback.check_finite` before any state is read, and state is
   written only after the step's collectives, which wait for every replica's
-  checks, so no replica's state advances when one replica fails.
-* IndexedSlices gradients are densified. TODO: a sparse-aware path.
+  checks, so no replica's state advances when one replica fails. Under XLA
+  the step is undone instead (state put back, aggregate NaN), as in DCTDP.
+* IndexedSlices gradients are not densified: their rows are scatter-added
+  into a copy of the residual (`error_feedback.accumulate`), as in DCTDP.
+  Variables below `min_size` are densified (dense all-reduce).
 
 State per compressed variable and replica: `residual` (E), `step` (int64) and
 two int32 statistics of the last step: `sent` (entries of this variable in the

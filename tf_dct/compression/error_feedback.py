@@ -24,7 +24,9 @@ def check_finite(owner: str, grads: Sequence, variables: Sequence) -> list:
   """`tf.debugging.check_numerics` on every gradient (IndexedSlices: values).
 
   The caller reads no state before these checks ran (control dependencies),
-  so a non-finite gradient never reaches a residual.
+  so a non-finite gradient never reaches a residual. XLA compiles the checks
+  away (nothing can raise in compiled code); there `Compressor.aggregate`
+  undoes a non-finite step instead, using `all_finite`.
   """
   checked = []
   for g, v in zip(grads, variables):
@@ -36,6 +38,13 @@ def check_finite(owner: str, grads: Sequence, variables: Sequence) -> list:
     else:
       checked.append(tf.debugging.check_numerics(g, message))
   return checked
+
+
+def all_finite(grads: Sequence) -> tf.Tensor:
+  """bool scalar: every entry of every gradient (IndexedSlices: values) is finite."""
+  flags = [tf.reduce_all(tf.math.is_finite(
+      g.values if isinstance(g, tf.IndexedSlices) else g)) for g in grads]
+  return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
 
 
 def dependencies(grads: Sequence) -> list[tf.Tensor]:

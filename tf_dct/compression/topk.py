@@ -30,7 +30,9 @@ Conventions (tests/compression/reference_baselines.py follows them exactly):
   dense and keep no state; during the first `warmup_steps` steps a variable
   sends g + E densely and clears E (both collectives are then issued every
   step); a NaN/Inf gradient raises and no replica's state advances.
-* IndexedSlices gradients are densified. TODO(issue 3): sparse-aware path.
+* IndexedSlices gradients are not densified: their rows are scatter-added
+  into a copy of the residual (`error_feedback.accumulate`), as in DCTDP.
+  Variables below `min_size` are densified (dense all-reduce).
 
 State per compressed variable and replica: `residual`, `step` (int64),
 `sent` and `overflow` (int32, last step, as in DCTDP) and `threshold` (tau of
