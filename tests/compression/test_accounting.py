@@ -2,15 +2,20 @@
 
 import glob
 
+from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
 
 import tf_dct
+from tf_dct.compression import CLTK
 from tf_dct.compression import DCTDP
+from tf_dct.compression import DEFT
 from tf_dct.compression import Dense
+from tf_dct.compression import TopK
 from tf_dct.compression import accounting
 from tf_dct.compression import sparse_wire
 from tests import util
+from tests.compression import harness
 
 
 def setUpModule():
@@ -58,7 +63,7 @@ def _events(logdir):
   return out
 
 
-class ByteModelTest(tf.test.TestCase):
+class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_ring_formulas(self):
     self.assertEqual(accounting.all_gather_bytes(24, 4), 72)
@@ -115,6 +120,27 @@ class ByteModelTest(tf.test.TestCase):
     self.assertAllClose(events["tf_dct/threshold/w0"][-1][1], taus[0])
     self.assertIn("tf_dct/density", events)
     self.assertIn("tf_dct/refreshes/w0", events)
+
+  @parameterized.named_parameters(("DCTDP", lambda: DCTDP(0.8, threshold_life=3)),
+                                  ("TopK", lambda: TopK(0.2)),
+                                  ("CLTK", lambda: CLTK(0.2)),
+                                  ("DEFT", lambda: DEFT(0.2)))
+  def test_selection_time_is_one_span_per_replica_step(self, make):
+    # Per-variable timers would serialize the variables' selections (TF runs
+    # stateful ops without resource inputs in program order), so there are
+    # exactly two Timestamp ops per replica, whatever the variable count.
+    compressor = make()
+    repl, step_fn, _, _ = harness.run(compressor, harness.gradients(2, 2), 2)
+    step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
+    graph = step.get_concrete_function().graph
+    stamps = [op for op in graph.get_operations() if op.type == "Timestamp"]
+    self.assertLen(stamps, 2 * 2)
+    stats = compressor.communication_stats()
+    self.assertTrue(all(s > 0 for s in stats["total"]["selection_seconds"]))
+    per_variable = [v["total"]["selection_seconds"]
+                    for v in stats["variables"].values()]
+    self.assertTrue(all(s > 0 for s in per_variable[0]))
+    self.assertEqual(per_variable[1], [0.0, 0.0])
 
   def test_dense_reports_on_four_replicas(self):
     replicas, shapes = 4, [(5, 2)]

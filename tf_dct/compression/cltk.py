@@ -62,7 +62,9 @@ class CLTK(topk.ErrorFeedbackCompressor):
     replicas = ctx.num_replicas_in_sync
     me = tf.cast(ctx.replica_id_in_sync_group, tf.int64)
     timing = self.timing_enabled
-    proposals, seconds = [], []
+    proposals = []
+    # One selection-time span for all variables (see `accounting`).
+    start = accounting.start_timer([it.acc for it in items], timing)
     for it in items:
       k = topk.selected_count(it.n, self.density)
       is_leader = tf.equal(it.step % replicas, me)
@@ -70,11 +72,11 @@ class CLTK(topk.ErrorFeedbackCompressor):
       def lead(acc=it.acc, k=k):  # the leader's local top-k (DEFT §1)
         return tf.sort(tf.math.top_k(tf.abs(acc), k=k, sorted=True).indices)
 
-      start = accounting.start_timer(it.acc, timing)
       with tf.control_dependencies([start] if timing else []):
         proposals.append(tf.cond(is_leader, lead,
                                  lambda k=k: tf.zeros([k], tf.int32)))
-      seconds.append(accounting.stop_timer(start, proposals[-1], timing))
+    seconds = [accounting.stop_timer(start, proposals, timing)]
+    seconds += [None] * (len(items) - 1)
     # Broadcast from the leader: the others contribute zeros. One int32
     # buffer for all variables (int32 tensors may sit in host memory, and a
     # batch must not mix host and device tensors).

@@ -80,8 +80,9 @@ them exactly):
 * Accounting: per variable it reports the all-gather payload
   (`sparse_wire.wire_bytes`), the dense all-reduce of warmup-capable
   compressors, nnz of the aggregated update (n on dense steps), entries sent,
-  tau, the selection time (accumulator to packed buffers), and the counters
-  "refreshes", "overflow" (and "early_refreshes" with a density band).
+  tau, and the counters "refreshes", "overflow" (and "early_refreshes" with
+  a density band); the step's selection time (accumulators to packed
+  buffers, all variables in one span) goes with the first compressed one.
 
 State per compressed variable and replica: `residual` (E, variable shape),
 `threshold` (tau, scalar), `step` (k, int64), and two int32 statistics of the
@@ -241,19 +242,31 @@ class DCTDP(Compressor):
     sparse_items = []   # (position, idx, val, n, shape)
     writes = []         # deferred state updates, one closure per variable
     reports = {}        # position -> (record kwargs, warm) of sparse variables
+    timing = self.timing_enabled
     # No state is read before every gradient of this replica passed the check.
     with tf.control_dependencies(deps):
+      accs = {}
       for i, (g, v, st) in enumerate(zip(checked, variables, states)):
         if not st:  # below min_size (or empty): plain dense SUM, no state
           dense_items.append((i, tf.identity(g)))
           continue
-        item, dense_part, write, report = self._sparsify(g, v, st)
+        accs[i] = error_feedback.accumulate(                       # DCT Algorithm 1 line 2
+            g, st["residual"].local().read_value(), v)
+      # One selection-time span for all variables (see `accounting`).
+      start = accounting.start_timer(list(accs.values()), timing)
+      for i, acc in accs.items():
+        item, dense_part, write, report = self._sparsify(
+            acc, variables[i], states[i], start)
         sparse_items.append((i,) + item)
         writes.append(write)
         reports[i] = report
         if dense_part is not None:
           dense_items.append((i, dense_part))
       if sparse_items:
+        first = sparse_items[0][0]
+        reports[first][0]["selection_seconds"] = accounting.stop_timer(
+            start, [t for _, idx, val, _, _ in sparse_items for t in (idx, val)],
+            timing)
         summed = sparse_wire.exchange_many(  # DCT Algorithm 1 line 12
             ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items],
             encoding=self.index_encoding, presorted=True)
@@ -287,8 +300,10 @@ class DCTDP(Compressor):
         nnz = tf.where(warm, tf.constant(n, tf.int64), nnz)
       self.record(v, nnz=nnz, **report)
 
-  def _sparsify(self, grad, variable, st):
-    """Lines 2-11 for one variable on this replica.
+  def _sparsify(self, acc, variable, st, start):
+    """Lines 3-11 for one variable on this replica, from acc = g + E (line 2).
+
+    `start` is the step's selection timer (every selection op waits for it).
 
     Returns the wire buffers `(idx, val, n, shape)`, the dense part (warmup
     only, else None), a closure that writes the new state, and what to
@@ -302,10 +317,7 @@ class DCTDP(Compressor):
     step = st["step"].local()
 
     k = step.read_value()
-    acc = error_feedback.accumulate(grad, residual.read_value(), variable)  # DCT Algorithm 1 line 2
-    timing = self.timing_enabled
-    start = accounting.start_timer(acc, timing)
-    with tf.control_dependencies([start] if timing else []):
+    with tf.control_dependencies([start] if self.timing_enabled else []):
       magnitude = tf.abs(acc)
     warm = None
     if self.warmup_steps:
@@ -362,7 +374,6 @@ class DCTDP(Compressor):
     if warm is not None:
       dense_part = tf.reshape(tf.where(warm, acc, zero), variable.shape)
       new_residual = tf.where(warm, zero, new_residual)
-    seconds = accounting.stop_timer(start, [idx, val, count, fitted], timing)
     if warm is not None:  # a dense step sends all n entries, none overflow
       count = tf.where(warm, n, count)
       selected = tf.where(warm, n, selected)
@@ -374,7 +385,7 @@ class DCTDP(Compressor):
         gather_bytes=sparse_wire.wire_bytes(n, cap, variable.dtype,
                                             self.index_encoding),
         reduce_bytes=n * variable.dtype.size if self.warmup_steps else 0,
-        sent=count, threshold=tau, selection_seconds=seconds,
+        sent=count, threshold=tau, selection_seconds=None,  # set by reduce
         counters=counters)
 
     def write():

@@ -220,8 +220,9 @@ class ErrorFeedbackCompressor(Compressor):
     """Union exchange: each replica sends its selection, duplicates summed."""
     buffers, kept = [], []
     timing = self.timing_enabled
+    # One selection-time span for all variables (see `accounting`).
+    start = accounting.start_timer([it.acc for it in items], timing)
     for it in items:
-      start = accounting.start_timer(it.acc, timing)
       with tf.control_dependencies([start] if timing else []):
         mask, cap, selected, extra = self._select(it)
       if it.warm is not None:
@@ -231,9 +232,10 @@ class ErrorFeedbackCompressor(Compressor):
       residual = tf.where(fitted, tf.zeros_like(it.acc), it.acc)  # lines 11-12
       report = dict(
           gather_bytes=sparse_wire.wire_bytes(it.n, cap, it.acc.dtype),
-          threshold=extra.get("threshold", self._fixed_threshold(it)),
-          selection_seconds=accounting.stop_timer(start, [idx, val], timing))
+          threshold=extra.get("threshold", self._fixed_threshold(it)))
       kept.append((residual, count, selected - count, extra, report))
+    kept[0][-1]["selection_seconds"] = accounting.stop_timer(
+        start, [t for idx, val, _ in buffers for t in (idx, val)], timing)
     # compact() leaves positions increasing with the padding last.
     summed = sparse_wire.exchange_many(ctx, buffers, presorted=True)
     return [Outcome(s, *k) for s, k in zip(summed, kept)]
