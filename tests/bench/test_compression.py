@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,12 +21,24 @@ def test_unknown_compressor_is_refused_with_the_allowed_names():
 
 
 def test_every_listed_compressor_is_built_as_named():
-  sys.path.insert(0, ROOT)
-  from bench import compression as bench  # pylint: disable=g-import-not-at-top
-  built = {name: bench.make_compressor(name, 1e-3) for name in bench.NAMES}
-  assert type(built["DCTDP(L=1000)"]).__name__ == "DCTDP"
-  assert built["DCTDP(L=1000)"].min_size == 0
-  assert built["DCTDP(L=1000,min=1024)"].min_size == 1024
-  assert built["DCTDP(L=1000,min=1024)"].threshold_life == 1000
-  assert built["DCTDP(L=1000,cf=1)"].capacity_factor == 1.0
-  assert built["DCTDP(L=1)"].threshold_life == 1
+  # In a subprocess: the benchmark's absl flags would clash with other
+  # modules' flags in the test process (e.g. launch.train's --steps).
+  script = (
+      "import json\n"
+      "from bench import compression as b\n"
+      "out = {}\n"
+      "for name in b.NAMES:\n"
+      "  c = b.make_compressor(name, 1e-3)\n"
+      "  out[name] = [type(c).__name__, getattr(c, 'min_size', None),\n"
+      "               getattr(c, 'threshold_life', None),\n"
+      "               getattr(c, 'capacity_factor', None)]\n"
+      "print(json.dumps(out))\n")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  built = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert built["DCTDP(L=1000)"] == ["DCTDP", 0, 1000, 2.0]
+  assert built["DCTDP(L=1000,min=1024)"] == ["DCTDP", 1024, 1000, 2.0]
+  assert built["DCTDP(L=1000,cf=1)"] == ["DCTDP", 0, 1000, 1.0]
+  assert built["DCTDP(L=1)"][2] == 1
+  assert built["DEFT"][0] == "DEFT" and built["Dense"][0] == "Dense"
