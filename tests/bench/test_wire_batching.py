@@ -1,0 +1,39 @@
+"""bench/wire_batching.py: its flag validation and the table it prints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "bench", "wire_batching.py")
+
+
+def _run(*args):
+  return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True,
+                        text=True, timeout=300, check=False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shapes=10"], "--shapes: each must be 'VxC' with integers V, C >= 1, "
+                      "got '10'"),
+    (["--shapes=3x0"], "got '3x0'"),
+    (["--batch_capacity=0"], "--batch_capacity"),
+    (["--repeats=0"], "--repeats"),
+])
+def test_bad_flags_are_refused_by_name(args, message):
+  proc = _run(*args)
+  assert proc.returncode != 0
+  assert message in proc.stderr
+
+
+def test_prints_one_row_per_shape_and_encoding():
+  # The script checks that both sides return the same sums before timing.
+  proc = _run("--shapes=3x4,2x200", "--repeats=1", "--calls=1")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [line for line in proc.stdout.splitlines()
+          if line.startswith(("| 3 x 4 |", "| 2 x 200 |"))]
+  assert [r.split(" | ")[1] for r in rows] == ["auto", "int32"] * 2
