@@ -8,8 +8,14 @@ at most that many slots share one set of ops) and at 0 (every buffer on its
 own). Timed blocks alternate; the medians and their ratio are printed. Both
 sides return the same sums (checked bit for bit before timing).
 
+With `--mlp_layers=L` it also times whole training steps: an MLP of L
+hidden layers of `--mlp_width` units (2 L + 2 variables, every buffer short),
+4 replicas, SGD, global batch 256, DCTDP(0.99, threshold_life=1000) traced
+with batching off and on, against Dense; interleaved blocks, medians.
+
 Usage:
-  python bench/wire_batching.py                       # ~2 min
+  python bench/wire_batching.py                       # ~5 min
+  python bench/wire_batching.py --shapes=200x40 --mlp_layers=20 --mlp_width=32
   python bench/wire_batching.py --shapes=200x40 --repeats=3
   python bench/wire_batching.py --shapes=40x200,16x600 --batch_capacity=1000
       # longer buffers batched too: why BATCH_CAPACITY stops at 128
@@ -39,6 +45,11 @@ flags.DEFINE_list("shapes", ["200x40", "100x100", "50x128"],
 flags.DEFINE_integer("batch_capacity", None, "batched side: buffers of at most "
                      "this many slots are batched (default: the library's "
                      "sparse_wire.BATCH_CAPACITY)", lower_bound=1)
+flags.DEFINE_integer("mlp_layers", 0, "also time whole steps of an MLP with "
+                     "this many hidden layers (0: off; tracing DCTDP takes "
+                     "about 2.5 s per variable here)", lower_bound=0)
+flags.DEFINE_integer("mlp_width", 32, "units per hidden layer of --mlp_layers",
+                     lower_bound=1)
 flags.DEFINE_integer("repeats", 7, "timed blocks per side", lower_bound=1)
 flags.DEFINE_integer("calls", 10, "exchanges per timed block", lower_bound=1)
 
@@ -77,6 +88,51 @@ def exchange_fn(repl, data, n, encoding, batch_capacity):
   return step
 
 
+def mlp_step(repl, compressor, layers, width, data, batch_capacity):
+  """One training step of a fresh MLP under `compressor`, traced as given."""
+  import tf_keras  # pylint: disable=g-import-not-at-top
+  with repl.scope():
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential(
+        [tf_keras.Input((width,))]
+        + [tf_keras.layers.Dense(width, activation="relu") for _ in range(layers)]
+        + [tf_keras.layers.Dense(1)])
+    opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(0.01),
+                              compression=compressor)
+
+  def step_fn(batch):
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.square(model(x) - y)) / 256
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  def input_fn(ctx):
+    del ctx
+    return tf.data.Dataset.from_tensor_slices(data).repeat().batch(256)
+
+  saved = sparse_wire.BATCH_CAPACITY
+  sparse_wire.BATCH_CAPACITY = batch_capacity
+  try:
+    repl.run(step_fn, input_fn)  # traced with this setting
+  finally:
+    sparse_wire.BATCH_CAPACITY = saved
+  return lambda: repl.run(step_fn, input_fn)
+
+
+def time_sides(sides, repeats, calls):
+  """Median ms per call of each side, timed in alternating blocks."""
+  times = {k: [] for k in sides}
+  for _ in range(repeats):
+    for k, f in sides.items():
+      start = time.perf_counter()
+      for _ in range(calls):
+        f()
+      times[k].append((time.perf_counter() - start) / calls * 1e3)
+  return {k: float(np.median(t)) for k, t in times.items()}
+
+
 def main(argv):
   del argv
   shapes = [parse(s) for s in FLAGS.shapes]
@@ -105,16 +161,31 @@ def main(argv):
                            for t in repl.experimental_local_results(o)]
       for a, b in zip(local(results["single"]), local(results["batched"])):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
-      times = {k: [] for k in sides}
-      for _ in range(FLAGS.repeats):
-        for k, f in sides.items():
-          start = time.perf_counter()
-          for _ in range(FLAGS.calls):
-            f()
-          times[k].append((time.perf_counter() - start) / FLAGS.calls * 1e3)
-      one, many = (float(np.median(times[k])) for k in sides)
+      one, many = time_sides(sides, FLAGS.repeats, FLAGS.calls).values()
       print(f"| {count} x {capacity} | {encoding} | {one:.2f} | {many:.2f} | "
             f"{one / many:.2f}x |")
+  if FLAGS.mlp_layers:
+    from tf_dct import compression  # pylint: disable=g-import-not-at-top
+    layers, width = FLAGS.mlp_layers, FLAGS.mlp_width
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4096, width)).astype(np.float32)
+    data = (x, (x[:, :1] > 0).astype(np.float32))
+    dctdp = lambda: compression.DCTDP(0.99, threshold_life=1000)
+    sides = {"Dense": mlp_step(repl, compression.Dense(), layers, width, data,
+                               sparse_wire.BATCH_CAPACITY),
+             "DCTDP one by one": mlp_step(repl, dctdp(), layers, width, data, 0),
+             "DCTDP batched": mlp_step(repl, dctdp(), layers, width, data,
+                                       batched)}
+    for f in sides.values():  # warm up
+      for _ in range(10):
+        f()
+    ms = time_sides(sides, FLAGS.repeats, 5)
+    print(f"\nwhole step, MLP of {layers} x {width} ({2 * layers + 2} "
+          "variables), global batch 256")
+    print("| side | ms/step | vs Dense |")
+    print("|---|---|---|")
+    for k, v in ms.items():
+      print(f"| {k} | {v:.2f} | {v / ms['Dense']:.3f}x |")
   sys.stdout.flush()
   os._exit(0)  # pylint: disable=protected-access
 

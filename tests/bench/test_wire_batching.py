@@ -23,6 +23,8 @@ def _run(*args):
     (["--shapes=3x0"], "got '3x0'"),
     (["--batch_capacity=0"], "--batch_capacity"),
     (["--repeats=0"], "--repeats"),
+    (["--mlp_layers=-1"], "--mlp_layers"),
+    (["--mlp_width=0"], "--mlp_width"),
 ])
 def test_bad_flags_are_refused_by_name(args, message):
   proc = _run(*args)
@@ -32,8 +34,10 @@ def test_bad_flags_are_refused_by_name(args, message):
 
 def test_prints_one_row_per_shape_and_encoding():
   # The script checks that both sides return the same sums before timing.
-  proc = _run("--shapes=3x4,2x200", "--repeats=1", "--calls=1")
+  proc = _run("--shapes=3x4,2x200", "--repeats=1", "--calls=1",
+              "--mlp_layers=1", "--mlp_width=4")
   assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "| DCTDP batched |" in proc.stdout
   rows = [line for line in proc.stdout.splitlines()
           if line.startswith(("| 3 x 4 |", "| 2 x 200 |"))]
   assert [r.split(" | ")[1] for r in rows] == ["auto", "int32"] * 2
