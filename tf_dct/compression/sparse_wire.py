@@ -152,12 +152,12 @@ class _Layout:
   """
 
   def __init__(self, encodings: Sequence[Encoding]):
-    self.encodings = list(encodings)
-    caps = [e.capacity for e in self.encodings]
-    chunks = [e.num_chunks for e in self.encodings]
+    encodings = list(encodings)
+    caps = [e.capacity for e in encodings]
+    chunks = [e.num_chunks for e in encodings]
     self.num_slots = sum(caps)
     self.num_chunks = sum(chunks)
-    self.words = sum(e.words for e in self.encodings)
+    self.words = sum(e.words for e in encodings)
     self.chunked = self.num_chunks > 0
     slot_at = np.cumsum([0] + caps)[:-1]
     chunk_at = np.cumsum([0] + chunks)[:-1]
@@ -166,15 +166,15 @@ class _Layout:
     # vector among all chunk counts (num_chunks for "int32": a zero column).
     rep = lambda xs, dtype=np.int32: np.repeat(np.asarray(xs, np.int64),
                                               caps).astype(dtype)
-    self.slot_n = rep([e.n for e in self.encodings])
-    self.slot_chunk = rep([max(e.chunk, 1) for e in self.encodings])
-    self.slot_is_chunked = rep([e.chunk > 0 for e in self.encodings], bool)
+    self.slot_n = rep([e.n for e in encodings])
+    self.slot_chunk = rep([max(e.chunk, 1) for e in encodings])
+    self.slot_is_chunked = rep([e.chunk > 0 for e in encodings], bool)
     self.slot_local = (np.arange(self.num_slots) - rep(slot_at)).astype(np.int32)
     self.slot_first_chunk = rep([a if e.chunk else self.num_chunks
-                                 for a, e in zip(chunk_at, self.encodings)])
+                                 for a, e in zip(chunk_at, encodings)])
     self.slot_last_chunk = rep([a + c - 1 if e.chunk else self.num_chunks
                                 for a, c, e in zip(chunk_at, chunks,
-                                                   self.encodings)])
+                                                   encodings)])
     # Per chunk count: its vector's first chunk and capacity, and where its
     # vector's region of capacity + 1 entries starts in `decode`'s
     # histogram of chunk ends (one region per vector, in order).
@@ -186,7 +186,7 @@ class _Layout:
     self.slot_region = rep(region_at)
     # Fields (start in F, length, byte width, words), in wire order.
     fields = []
-    for v, e in enumerate(self.encodings):
+    for v, e in enumerate(encodings):
       if e.chunk:
         fields.append((chunk_at[v], e.num_chunks, e.count_bytes, e.count_words))
       fields.append((self.num_chunks + slot_at[v], e.capacity, e.offset_bytes,
@@ -222,24 +222,20 @@ class _Layout:
 
   def encode(self, idx: tf.Tensor) -> tf.Tensor:
     """int32[words] for the concatenated positions `idx` (int32[num_slots])."""
-    if self.chunked:
-      valid = idx < self.slot_n
-      offsets = tf.where(valid, idx % self.slot_chunk, 0)
-      chunk_id = tf.where(tf.logical_and(valid, self.slot_is_chunked),
-                          self.slot_first_chunk + idx // self.slot_chunk,
-                          self.num_chunks)
-      counts = tf.math.unsorted_segment_sum(
-          tf.ones([self.num_slots], tf.int32), chunk_id,
-          self.num_chunks + 1)[:self.num_chunks]
-      values = tf.concat(
-          [counts, tf.where(self.slot_is_chunked, offsets, idx), [0]], 0)
-    else:
-      values = tf.concat([idx, [0]], 0)
+    if not self.chunked:  # every vector "int32": the words are the positions
+      return idx
+    valid = idx < self.slot_n
+    offsets = tf.where(valid, idx % self.slot_chunk, 0)
+    chunk_id = tf.where(tf.logical_and(valid, self.slot_is_chunked),
+                        self.slot_first_chunk + idx // self.slot_chunk,
+                        self.num_chunks)
+    counts = tf.math.unsorted_segment_sum(
+        tf.ones([self.num_slots], tf.int32), chunk_id,
+        self.num_chunks + 1)[:self.num_chunks]
+    values = tf.concat(
+        [counts, tf.where(self.slot_is_chunked, offsets, idx), [0]], 0)
     words = []
     for width, take, _ in self.groups:
-      if width == 4 and take.size == self.num_slots and not self.chunked:
-        words.append(idx)  # positions as they are
-        continue
       group = tf.gather(values, take)
       if width < 4:  # value k of a word goes to bits [8 width k, 8 width (k+1))
         parts = tf.reshape(tf.bitcast(group, tf.uint32), [-1, 4 // width])
@@ -253,6 +249,8 @@ class _Layout:
 
   def decode(self, words: tf.Tensor) -> tf.Tensor:
     """int32[r, num_slots] positions (padding = n) from int32[r, words]."""
+    if not self.chunked:  # every vector "int32": the words are the positions
+      return words
     r = words.shape[0]
     unpacked = []
     for width, _, at in self.groups:
@@ -267,9 +265,6 @@ class _Layout:
         group = tf.reshape(tf.bitcast(parts, tf.int32), [r, -1])
       unpacked.append(group)
     unpacked = unpacked[0] if len(unpacked) == 1 else tf.concat(unpacked, 1)
-    if not self.chunked:
-      return (unpacked if np.array_equal(self.put, np.arange(self.num_slots))
-              else tf.gather(unpacked, self.put, axis=1))
     fields = tf.gather(unpacked, self.put, axis=1)
     counts, raw = fields[:, :self.num_chunks], fields[:, self.num_chunks:]
     # ends[c]: slots of its vector up to and including chunk c.
