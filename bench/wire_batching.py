@@ -11,7 +11,10 @@ sides return the same sums (checked bit for bit before timing).
 With `--mlp_layers=L` it also times whole training steps: an MLP of L
 hidden layers of `--mlp_width` units (2 L + 2 variables, every buffer short),
 4 replicas, SGD, global batch 256, DCTDP(0.99, threshold_life=1000) traced
-with batching off and on, against Dense; interleaved blocks, medians.
+three ways: with the wire's batching off (`BATCH_CAPACITY = 0`), with the
+selection's grouping of small variables off (`dct_dp.FUSE_SIZE = 0`), and
+with both on, against Dense; interleaved blocks, medians. It also prints
+how long each side took to trace and run its first step.
 
 Usage:
   python bench/wire_batching.py                       # ~5 min
@@ -37,6 +40,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 import tensorflow as tf  # pylint: disable=wrong-import-position
 
 import tf_dct  # pylint: disable=wrong-import-position
+from tf_dct.compression import dct_dp  # pylint: disable=wrong-import-position
 from tf_dct.compression import sparse_wire  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -46,8 +50,8 @@ flags.DEFINE_integer("batch_capacity", None, "batched side: buffers of at most "
                      "this many slots are batched (default: the library's "
                      "sparse_wire.BATCH_CAPACITY)", lower_bound=1)
 flags.DEFINE_integer("mlp_layers", 0, "also time whole steps of an MLP with "
-                     "this many hidden layers (0: off; tracing DCTDP takes "
-                     "about 2.5 s per variable here)", lower_bound=0)
+                     "this many hidden layers (0: off; each DCTDP side "
+                     "takes up to ~1 s per variable to trace)", lower_bound=0)
 flags.DEFINE_integer("mlp_width", 32, "units per hidden layer of --mlp_layers",
                      lower_bound=1)
 flags.DEFINE_integer("repeats", 7, "timed blocks per side", lower_bound=1)
@@ -88,8 +92,12 @@ def exchange_fn(repl, data, n, encoding, batch_capacity):
   return step
 
 
-def mlp_step(repl, compressor, layers, width, data, batch_capacity):
-  """One training step of a fresh MLP under `compressor`, traced as given."""
+def mlp_step(repl, compressor, layers, width, data, batch_capacity,
+             fuse_size=None):
+  """One training step of a fresh MLP under `compressor`, traced as given.
+
+  Returns the step and the seconds its trace and first call took.
+  """
   import tf_keras  # pylint: disable=g-import-not-at-top
   with repl.scope():
     tf_keras.utils.set_random_seed(0)
@@ -112,13 +120,15 @@ def mlp_step(repl, compressor, layers, width, data, batch_capacity):
     del ctx
     return tf.data.Dataset.from_tensor_slices(data).repeat().batch(256)
 
-  saved = sparse_wire.BATCH_CAPACITY
+  saved = sparse_wire.BATCH_CAPACITY, dct_dp.FUSE_SIZE
   sparse_wire.BATCH_CAPACITY = batch_capacity
+  dct_dp.FUSE_SIZE = saved[1] if fuse_size is None else fuse_size
+  start = time.perf_counter()
   try:
-    repl.run(step_fn, input_fn)  # traced with this setting
+    repl.run(step_fn, input_fn)  # traced with these settings
   finally:
-    sparse_wire.BATCH_CAPACITY = saved
-  return lambda: repl.run(step_fn, input_fn)
+    sparse_wire.BATCH_CAPACITY, dct_dp.FUSE_SIZE = saved
+  return (lambda: repl.run(step_fn, input_fn)), time.perf_counter() - start
 
 
 def time_sides(sides, repeats, calls):
@@ -171,21 +181,25 @@ def main(argv):
     x = rng.normal(size=(4096, width)).astype(np.float32)
     data = (x, (x[:, :1] > 0).astype(np.float32))
     dctdp = lambda: compression.DCTDP(0.99, threshold_life=1000)
-    sides = {"Dense": mlp_step(repl, compression.Dense(), layers, width, data,
-                               sparse_wire.BATCH_CAPACITY),
-             "DCTDP one by one": mlp_step(repl, dctdp(), layers, width, data, 0),
-             "DCTDP batched": mlp_step(repl, dctdp(), layers, width, data,
-                                       batched)}
+    built = {
+        "Dense": mlp_step(repl, compression.Dense(), layers, width, data,
+                          sparse_wire.BATCH_CAPACITY),
+        "DCTDP, wire one by one": mlp_step(repl, dctdp(), layers, width, data,
+                                           0),
+        "DCTDP, selection one by one": mlp_step(repl, dctdp(), layers, width,
+                                                data, batched, fuse_size=0),
+        "DCTDP batched": mlp_step(repl, dctdp(), layers, width, data, batched)}
+    sides = {k: f for k, (f, _) in built.items()}
     for f in sides.values():  # warm up
       for _ in range(10):
         f()
     ms = time_sides(sides, FLAGS.repeats, 5)
     print(f"\nwhole step, MLP of {layers} x {width} ({2 * layers + 2} "
           "variables), global batch 256")
-    print("| side | ms/step | vs Dense |")
-    print("|---|---|---|")
+    print("| side | ms/step | vs Dense | trace + first step (s) |")
+    print("|---|---|---|---|")
     for k, v in ms.items():
-      print(f"| {k} | {v:.2f} | {v / ms['Dense']:.3f}x |")
+      print(f"| {k} | {v:.2f} | {v / ms['Dense']:.3f}x | {built[k][1]:.1f} |")
   sys.stdout.flush()
   os._exit(0)  # pylint: disable=protected-access
 

@@ -37,7 +37,10 @@ def test_prints_one_row_per_shape_and_encoding():
   proc = _run("--shapes=3x4,2x200", "--repeats=1", "--calls=1",
               "--mlp_layers=1", "--mlp_width=4")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "| DCTDP batched |" in proc.stdout
+  for side in ("Dense", "DCTDP, wire one by one", "DCTDP, selection one by one",
+               "DCTDP batched"):
+    assert f"| {side} |" in proc.stdout, side
+  assert "trace + first step (s)" in proc.stdout
   rows = [line for line in proc.stdout.splitlines()
           if line.startswith(("| 3 x 4 |", "| 2 x 200 |"))]
   assert [r.split(" | ")[1] for r in rows] == ["auto", "int32"] * 2

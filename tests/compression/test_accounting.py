@@ -70,6 +70,21 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(accounting.all_reduce_bytes(100, 4), 150)
     self.assertEqual(accounting.all_reduce_bytes(100, 1), 0)
 
+  def test_float64_vector_of_mixed_values(self):
+    big = 2**40 + 1  # beyond float32 and int32: must stay exact
+    cases = [
+        ([3, 0.5, 7], [3.0, 0.5, 7.0]),  # Python numbers only
+        ([tf.constant(2), 5, tf.constant(-1)], [2.0, 5.0, -1.0]),  # one cast
+        ([tf.constant(2), 0.5], [2.0, 0.5]),  # 0.5 is not an int32
+        ([tf.constant(big, tf.int64), tf.constant(1, tf.int32), 2],
+         [float(big), 1.0, 2.0]),  # mixed dtypes
+        ([tf.constant(0.25, tf.float64), big], [0.25, float(big)]),
+    ]
+    for values, want in cases:
+      got = accounting._as_float64_vector(values)  # pylint: disable=protected-access
+      self.assertEqual(got.dtype, tf.float64)
+      self.assertAllEqual(got, want)
+
   def test_dct_dp_exact_on_two_replicas_with_summaries(self):
     # w0: 40 entries, sparsity 0.9 -> K = 4 = capacity (factor 1); chunk8
     # layout (1 chunk): 1 count word + 4 one-byte offsets in 1 word.

@@ -1,5 +1,7 @@
 """Tests for tf_dct.compression.DCTDP against the numpy reference."""
 
+import contextlib
+
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
@@ -15,6 +17,17 @@ from tests.compression import reference
 
 def setUpModule():
   util.setup_cpus()
+
+
+@contextlib.contextmanager
+def _fuse_size(size):
+  """Traces DCTDP with `dct_dp.FUSE_SIZE = size` (None: as it is)."""
+  saved = dct_dp.FUSE_SIZE
+  dct_dp.FUSE_SIZE = saved if size is None else size
+  try:
+    yield
+  finally:
+    dct_dp.FUSE_SIZE = saved
 
 
 SHAPES = harness.SHAPES
@@ -52,13 +65,18 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
       ("2_replicas", 2, {}),
       ("4_replicas", 4, {}),
       ("2_replicas_warmup_min_size", 2, {"warmup_steps": 3, "min_size": 20}),
+      ("2_replicas_one_by_one", 2, {}, 0),
+      ("2_replicas_warmup_one_by_one", 2, {"warmup_steps": 3}, 0),
   )
-  def test_matches_reference(self, replicas, extra):
+  def test_matches_reference(self, replicas, extra, fuse_size=None):
     kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5, **extra)
     grads = harness.gradients(12, replicas, seed=replicas)
     # density_band=None: Algorithm 1 as written, which the reference implements.
-    _, _, history = self._compare(DCTDP(density_band=None, **kwargs), grads,
-                                  replicas, kwargs)
+    # The variables are small, so they are selected as one group unless
+    # fuse_size sends each through the selection on its own.
+    with _fuse_size(fuse_size):
+      _, _, history = self._compare(DCTDP(density_band=None, **kwargs), grads,
+                                    replicas, kwargs)
     # The run exercised what it is meant to: sparse steps and, thanks to the
     # tied variable, threshold ties beyond capacity.
     sent = np.array([h[1][0]["sent"] for h in history])
@@ -222,6 +240,51 @@ class ZeroThresholdTest(tf.test.TestCase):
                                      sparsity=0.99, threshold_life=1000,
                                      capacity_factor=2.0)
     self.assertAllEqual(ref[0].update, g)
+
+
+class GroupingTest(tf.test.TestCase, parameterized.TestCase):
+  """Variables selected as one group behave exactly as one by one."""
+
+  @parameterized.named_parameters(("eager", False, 2), ("xla", True, 1))
+  def test_grouped_equals_one_by_one(self, jit, replicas):
+    shapes = [(6, 5), (17,), (3,), (40,)]
+    # Ties, warmup, a short life and the density guard: refreshes that are
+    # due, early and absent in one group on the same step.
+    grads = harness.gradients(9, replicas, seed=5, shapes=shapes)
+    for t, step in enumerate(grads):  # a scale that drifts for one variable
+      for g in step:
+        g[3] *= 2.0**t
+    kwargs = dict(sparsity=0.7, threshold_life=4, warmup_steps=2,
+                  capacity_factor=1.2)
+    runs = {}
+    # 35: variables 1 and 2 grouped, 0 and 3 alone; 10**9: one group of all.
+    for size in (0, 35, 10**9):
+      compressor = DCTDP(**kwargs)
+      with _fuse_size(size):
+        *_, history = harness.run(compressor, grads, replicas, shapes=shapes,
+                                  jit_compile=jit)
+      runs[size] = (history, compressor.communication_stats())
+    base_history, base_stats = runs[0]
+    counters = base_stats["variables"]["w3"]["counters"]
+    self.assertGreater(sum(counters["early_refreshes"]), 0)
+    for size in (35, 10**9):
+      history, stats = runs[size]
+      for t, ((out, states), (base_out, base_states)) in enumerate(
+          zip(history, base_history)):
+        for r in range(replicas):
+          for v in range(len(shapes)):
+            self.assertAllEqual(out[r][v], base_out[r][v],
+                                msg=f"fuse {size} step {t} var {v}")
+        for st, base_st in zip(states, base_states):
+          for key in base_st:
+            self.assertAllEqual(st[key], base_st[key],
+                                msg=f"fuse {size} step {t} {key}")
+      for name, var in base_stats["variables"].items():
+        self.assertEqual(stats["variables"][name]["counters"], var["counters"])
+        self.assertEqual(stats["variables"][name]["total"]["nnz"],
+                         var["total"]["nnz"])
+        self.assertEqual(stats["variables"][name]["last"]["threshold"],
+                         var["last"]["threshold"])
 
 
 class DensityGuardTest(tf.test.TestCase, parameterized.TestCase):

@@ -61,6 +61,55 @@ class CompactTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllEqual(mask & ~fitted, mask & ~want[3])
 
   @parameterized.named_parameters(
+      ("one_segment", [50], [20], 0.3),
+      ("mixed", [7, 1, 130, 64, 3], [3, 1, 20, 64, 1], 0.4),
+      ("overflow_everywhere", [40, 65, 9], [2, 5, 1], 0.9),
+      ("nothing_selected", [10, 20], [4, 4], 0.0),
+      ("all_selected", [5, 70], [5, 70], 1.0),
+  )
+  def test_segments_match_compact_of_each_segment(self, sizes, caps, density):
+    rng = np.random.default_rng(sum(sizes) + len(caps))
+    n = sum(sizes)
+    acc = rng.normal(size=n).astype(np.float32)
+    mask = rng.uniform(size=n) < density
+    starts = np.cumsum([0] + sizes)
+    want = [_np_compact(acc[a:b], mask[a:b], c)
+            for a, b, c in zip(starts[:-1], starts[1:], caps)]
+
+    def run(a, m):
+      return sparse_wire.compact_segments(a, m, sparse_wire.prefix_count(m),
+                                          sizes, caps)
+
+    eager = run(tf.constant(acc), tf.constant(mask))
+    jitted = tf.function(run, jit_compile=True)(tf.constant(acc),
+                                                tf.constant(mask))
+    for got in (eager, jitted):
+      idx, val, selected, fitted = [t.numpy() for t in got]
+      self.assertEqual(idx.dtype, np.int32)
+      self.assertAllEqual(idx, np.concatenate([w[0] for w in want]))
+      self.assertAllEqual(val, np.concatenate([w[1] for w in want]))
+      self.assertAllEqual(fitted, np.concatenate([w[3] for w in want]))
+      self.assertAllEqual(selected, [mask[a:b].sum()
+                                     for a, b in zip(starts[:-1], starts[1:])])
+
+  def test_segments_bad_arguments(self):
+    flat, mask = tf.zeros([6]), tf.ones([6], tf.bool)
+    ends = sparse_wire.prefix_count(mask)
+    with self.assertRaisesRegex(ValueError, "compact_segments: flat, mask and "
+                                "ends \\(int32\\) must be rank 1 of length "
+                                "sum\\(sizes\\) = 5"):
+      sparse_wire.compact_segments(flat, mask, ends, [2, 3], [1, 1])
+    with self.assertRaisesRegex(ValueError, "must be rank 1"):
+      sparse_wire.compact_segments(flat, mask, tf.cast(ends, tf.int64), [6], [1])
+    with self.assertRaisesRegex(ValueError, "capacities must hold one int in "
+                                "\\[1, size\\] per segment"):
+      sparse_wire.compact_segments(flat, mask, ends, [2, 4], [3, 1])
+    with self.assertRaisesRegex(ValueError, "capacities must hold one int"):
+      sparse_wire.compact_segments(flat, mask, ends, [2, 4], [1])
+    with self.assertRaisesRegex(ValueError, "capacities must hold one int"):
+      sparse_wire.compact_segments(flat, mask, ends, [2, 4], [0, 1])
+
+  @parameterized.named_parameters(
       ("one", 1), ("block", 64), ("block_plus_one", 65), ("ragged", 1000),
       ("many_blocks", 64 * 70 + 3))
   def test_prefix_count_matches_cumsum(self, n):

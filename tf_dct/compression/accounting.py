@@ -92,17 +92,43 @@ class Record:
   selection_seconds: object = None
   counters: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
-  def vector(self, num_replicas: int) -> tf.Tensor:
-    """float64[len(FIELDS)] of this record under the byte model."""
+  def static_vector(self, num_replicas: int) -> np.ndarray:
+    """float64[len(FIELDS)] of the static fields under the byte model.
+
+    The fields that may be tensors (nnz, sent, selection_seconds) are 0 here;
+    `dynamic_fields` names them.
+    """
     n = num_replicas
     moved = (all_gather_bytes(self.gather_bytes, n)
              + all_reduce_bytes(self.reduce_bytes, n))
     dense = self.size * tf.as_dtype(self.dtype).size
+    return np.asarray([self.gather_bytes + self.reduce_bytes, moved, moved,
+                       all_reduce_bytes(dense, n), dense, 0, self.size, 0, 0],
+                      np.float64)
+
+  def dynamic_fields(self) -> dict:
+    """{field: value} of the fields that may be tensors (None counts as 0)."""
     seconds = 0.0 if self.selection_seconds is None else self.selection_seconds
-    values = [self.gather_bytes + self.reduce_bytes, moved, moved,
-              all_reduce_bytes(dense, n), dense, self.nnz, self.size, self.sent,
-              seconds]
-    return tf.stack([tf.cast(v, tf.float64) for v in values])
+    return {"nnz": self.nnz, "sent": self.sent, "selection_seconds": seconds}
+
+
+def _as_float64_vector(values) -> tf.Tensor:
+  """float64[len(values)] of Python numbers and scalar tensors, in few ops.
+
+  Scalars of one dtype are stacked before a single cast, so the ops do not
+  grow with the number of values.
+  """
+  if all(not tf.is_tensor(v) for v in values):
+    return tf.constant(np.asarray(values, np.float64))
+  tensors = [v if tf.is_tensor(v) else None for v in values]
+  dtypes = {t.dtype for t in tensors if t is not None}
+  if len(dtypes) == 1:
+    dtype = dtypes.pop()
+    if all(t is not None or float(v) == float(np.asarray(v).astype(
+        dtype.as_numpy_dtype)) for t, v in zip(tensors, values)):
+      return tf.cast(tf.stack([t if t is not None else tf.constant(v, dtype)
+                               for t, v in zip(tensors, values)]), tf.float64)
+  return tf.stack([tf.cast(v, tf.float64) for v in values])
 
 
 def start_timer(inputs, enabled: bool):
@@ -183,26 +209,40 @@ class Accounting(tf.Module):
 
   def update(self, records: Mapping[str, Record], num_replicas: int,
              summaries: bool) -> None:
-    """Writes this step's records of the calling replica (in replica context)."""
-    vectors = {}
-    for key, rec in records.items():
-      st = self.per_variable[key]
-      vec = rec.vector(num_replicas)
-      vectors[key] = vec
-      tau = 0.0 if rec.threshold is None else rec.threshold
-      st["last"].local().assign(
-          tf.concat([vec, tf.reshape(tf.cast(tau, tf.float64), [1])], 0))
-      st["total"].local().assign_add(
-          tf.concat([vec, tf.ones([1], tf.float64)], 0))
-      if "counters" in st:
-        names = self._counter_names[key]
-        st["counters"].local().assign_add(tf.stack(
-            [tf.cast(rec.counters.get(c, 0), tf.float64) for c in names]))
-    step_vec = tf.add_n(list(vectors.values()))
+    """Writes this step's records of the calling replica (in replica context).
+
+    All records go into one [V, len(FIELDS) + 1] matrix (fields, then tau)
+    built with a few ops whatever V is; each variable then takes its row.
+    """
+    keys = list(records)
+    recs = [records[k] for k in keys]
+    static = np.stack([r.static_vector(num_replicas) for r in recs])
+    columns = [tf.constant(static[:, i]) for i in range(len(FIELDS))]
+    dynamic = [r.dynamic_fields() for r in recs]
+    for name in dynamic[0]:
+      columns[FIELDS.index(name)] = _as_float64_vector([d[name] for d in dynamic])
+    columns.append(_as_float64_vector(
+        [0.0 if r.threshold is None else r.threshold for r in recs]))
+    last = tf.stack(columns, axis=1)
+    # total: the fields and a step count of 1 where `last` holds tau.
+    total = tf.concat([last[:, :len(FIELDS)], tf.ones([len(recs), 1], tf.float64)],
+                      axis=1)
+    counted = [k for k in keys if "counters" in self.per_variable[k]]
+    if counted:
+      amounts = _as_float64_vector([records[k].counters.get(c, 0) for k in counted
+                                    for c in self._counter_names[k]])
+      amounts = tf.split(amounts, [len(self._counter_names[k]) for k in counted])
+      for key, amount in zip(counted, amounts):
+        self.per_variable[key]["counters"].local().assign_add(amount)
+    for key, row, add in zip(keys, tf.unstack(last), tf.unstack(total)):
+      self.per_variable[key]["last"].local().assign(row)
+      self.per_variable[key]["total"].local().assign_add(add)
+    step_vec = tf.reduce_sum(last[:, :len(FIELDS)], axis=0)
     self.overall["last"].local().assign(step_vec)
     self.overall["total"].local().assign_add(step_vec)
     steps = self.overall["steps"].local().assign_add(1)
     if summaries:
+      vectors = dict(zip(keys, tf.unstack(last[:, :len(FIELDS)])))
       self._summarize(records, vectors, step_vec, steps)
 
   def _summarize(self, records, vectors, step_vec, steps) -> None:

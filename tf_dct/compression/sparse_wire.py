@@ -454,6 +454,78 @@ def compact(acc_flat: tf.Tensor, mask: tf.Tensor, capacity: int,
   return idx, val, count, fitted
 
 
+def compact_segments(flat: tf.Tensor, mask: tf.Tensor, ends: tf.Tensor,
+                     sizes: Sequence[int], capacities: Sequence[int]):
+  """`compact` of consecutive segments of one flat vector, with one set of ops.
+
+  A compressor that lays its variables end to end (segment v holds
+  `sizes[v]` entries) packs each segment into its own `capacities[v]` slots,
+  exactly as `compact` would pack that segment alone, but with a number of
+  ops that does not grow with the number of segments.
+
+  Args:
+    flat: rank-1 tensor of static length N = sum(sizes).
+    mask: bool[N]; True marks entries to send.
+    ends: `prefix_count(mask)` over the whole vector (int32[N]).
+    sizes: Python ints >= 1, the segment lengths.
+    capacities: Python ints, 1 <= capacities[v] <= sizes[v].
+
+  Returns:
+    `(idx, val, selected, fitted)`: int32[sum(capacities)] positions inside
+    each segment (padding = that segment's size), values[sum(capacities)]
+    (padding = 0), int32[V] selected entries per segment (before capacity),
+    and bool[N] the entries packed.
+  """
+  sizes = [int(s) for s in sizes]
+  caps = [int(c) for c in capacities]
+  n = flat.shape[0]
+  if (flat.shape.rank != 1 or n != sum(sizes) or not sizes
+      or mask.shape != flat.shape or ends.shape != flat.shape
+      or ends.dtype != tf.int32):
+    raise ValueError(f"compact_segments: flat, mask and ends (int32) must be "
+                     f"rank 1 of length sum(sizes) = {sum(sizes)}, got "
+                     f"{flat.shape}, {mask.shape}, {ends.dtype.name} {ends.shape}")
+  if len(caps) != len(sizes) or not all(1 <= c <= s for c, s in zip(caps, sizes)):
+    raise ValueError(f"compact_segments: capacities must hold one int in "
+                     f"[1, size] per segment; sizes {sizes}, capacities {caps}")
+  num = len(sizes)
+  if num == 1:  # no segment ids to look up
+    idx, val, _, fitted = compact(flat, mask, caps[0], ends=ends)
+    return idx, val, ends[-1:], fitted
+  starts = np.cumsum([0] + sizes)[:-1]
+  slot_starts = np.cumsum([0] + caps)[:-1]
+  slots = sum(caps)
+  seg = np.repeat(np.arange(num, dtype=np.int32), sizes)          # per entry
+  slot_seg = np.repeat(np.arange(num, dtype=np.int32), caps)      # per slot
+  slot_local = (np.arange(slots) - np.repeat(slot_starts, caps)).astype(np.int32)
+  slot_size = np.repeat(sizes, caps).astype(np.int32)
+  caps_t = tf.constant(caps, tf.int32)
+  # Selected entries up to each segment's end, and before its start.
+  through = tf.gather(ends, (starts + np.asarray(sizes) - 1).astype(np.int32))
+  before = tf.concat([tf.zeros([1], tf.int32), through[:-1]], 0)
+  selected = through - before
+  # Entry e of segment v fits when fewer than caps[v] selected entries of v
+  # precede it: ends[e] - before[v] <= caps[v].
+  fitted = tf.logical_and(mask, ends <= tf.gather(before + caps_t, seg))
+  if _private.in_xla_context():  # one scatter pass, as in `compact`
+    segment = tf.where(fitted, ends - 1 + tf.gather(
+        tf.constant(slot_starts, tf.int32) - before, seg), slots)
+    shifted = (np.arange(n) - np.repeat(starts, sizes)
+               - np.repeat(sizes, sizes)).astype(np.int32)  # position - size
+    idx = tf.math.unsorted_segment_sum(tf.constant(shifted), segment,
+                                       slots + 1)[:slots] + slot_size
+    val = tf.math.unsorted_segment_sum(flat, segment, slots + 1)[:slots]
+  else:  # slot j of v: the (j + 1)-th selected entry of v, by binary search
+    pos = tf.searchsorted(ends, tf.gather(before, slot_seg) + slot_local + 1,
+                          side="left", out_type=tf.int32)
+    valid = slot_local < tf.gather(tf.minimum(selected, caps_t), slot_seg)
+    idx = tf.where(valid, pos - np.repeat(starts, caps).astype(np.int32),
+                   slot_size)
+    val = tf.where(valid, tf.gather(flat, tf.minimum(pos, n - 1)),
+                   tf.zeros([], flat.dtype))
+  return idx, val, selected, fitted
+
+
 def scatter_sum(idx: tf.Tensor, val: tf.Tensor, n: int) -> tf.Tensor:
   """Dense vector of length n: sum of `val` at `idx`; indices >= n are dropped."""
   # unsorted_segment_sum drops a negative segment id, so the padding (n)
