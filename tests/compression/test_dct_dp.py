@@ -286,6 +286,48 @@ class GroupingTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(stats["variables"][name]["last"]["threshold"],
                          var["last"]["threshold"])
 
+  def test_mixed_dtypes_form_one_group_per_dtype(self):
+    dtypes = [tf.float32, tf.float64, tf.float32, tf.float64]
+    shapes = [(6, 5), (17,), (3,), (4,)]
+    grads = harness.gradients(6, 2, seed=9, shapes=shapes)
+    outs = {}
+    for size in (0, 10**9):
+      compressor = DCTDP(0.7, threshold_life=3)
+      repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"],
+                               input_replication=tf_dct.PER_REPLICA)
+      compressor.bind(repl)
+      with repl.scope():
+        variables = [tf.Variable(tf.zeros(s, d), name=f"w{i}")
+                     for i, (s, d) in enumerate(zip(shapes, dtypes))]
+
+      def input_fn(replica_id):
+        return tf.data.Dataset.from_tensor_slices(tuple(  # pylint: disable=cell-var-from-loop
+            np.stack([step[replica_id][v] for step in grads]).astype(
+                dtypes[v].as_numpy_dtype) for v in range(len(shapes))))
+
+      def step_fn(g):
+        return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]  # pylint: disable=cell-var-from-loop
+
+      with _fuse_size(size):
+        out = [[[t.numpy() for t in o] for o in
+                repl.experimental_local_results(repl.run(step_fn, input_fn))]
+               for _ in grads]
+      self.assertEqual([o.dtype for o in out[-1][0]],
+                       [d.as_numpy_dtype for d in dtypes])
+      residuals = [compressor.state_for(v)["residual"].numpy() for v in variables]
+      outs[size] = (out, residuals)
+    (grouped, res_grouped), (alone, res_alone) = outs[10**9], outs[0]
+    for t, (a, b) in enumerate(zip(grouped, alone)):
+      for r in range(2):
+        for v in range(len(shapes)):
+          self.assertAllEqual(a[r][v], b[r][v], msg=f"step {t} var {v}")
+    for a, b in zip(res_grouped, res_alone):
+      self.assertAllEqual(a, b)
+    # Something was sent and something held back.
+    self.assertGreater(np.abs(np.concatenate(
+        [np.ravel(o) for o in grouped[-1][0]])).sum(), 0)
+    self.assertGreater(sum(np.abs(r).sum() for r in res_grouped), 0)
+
 
 class DensityGuardTest(tf.test.TestCase, parameterized.TestCase):
 

@@ -370,6 +370,7 @@ class DCTDP(Compressor):
     # Per entry, the value of its variable in a vector of per-variable values.
     per_entry = (lambda t: t[0]) if one else (lambda t: tf.gather(t, seg))
     split = (lambda t: [t]) if one else (lambda t: tf.split(t, sizes))
+    split_slots = (lambda t: [t]) if one else (lambda t: tf.split(t, caps))
 
     k = tf.stack([st["step"].local().read_value() for st in states])
     old_tau = tf.stack([st["threshold"].local().read_value() for st in states])
@@ -417,8 +418,8 @@ class DCTDP(Compressor):
 
     def fresh():  # a new tau for the variables due, the old one for the rest
       pieces = split(magnitude)
-      # A group holds small variables only, so every one of them takes its
-      # order statistic (cheap) rather than a branch of its own each.
+      # A group of several holds small variables only, so each of them takes
+      # its order statistic (cheap) rather than a branch of its own.
       tau = tf.stack([order_statistic_threshold(p, m)              # DCT Algorithm 1 lines 4-5
                       for p, m in zip(pieces, below)])
       if not one:
@@ -473,6 +474,5 @@ class DCTDP(Compressor):
         st["overflow"].local().assign(overflows[v])
 
     items = [(i, w, n, var.shape) for i, w, n, var in zip(
-        split(idx) if one else tf.split(idx, caps),
-        [val] if one else tf.split(val, caps), sizes, variables)]
+        split_slots(idx), split_slots(val), sizes, variables)]
     return items, dense_parts, write, reports
