@@ -100,6 +100,32 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(layer.residual.shape, (3, 8))
 
   @parameterized.named_parameters(*FLAVOURS)
+  def test_xgrad_topk_non_finite_gradient_leaves_the_residual_alone(self, cls):
+    x = _x((3, 8))
+    layer = cls(0.75, mode="xgrad_topk")
+
+    def backward(dy):
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True)
+      return tape.gradient(y, x, output_gradients=dy)
+
+    backward(_x((3, 8), seed=1))  # a residual to protect
+    before = np.array(layer.residual)
+    self.assertGreater(np.abs(before).sum(), 0)
+    for bad in (np.nan, np.inf):
+      dy = _x((3, 8), seed=2).numpy()
+      dy[1, 3] = bad
+      with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                  "xgrad_topk: non-finite gradient"):
+        backward(tf.constant(dy))
+      self.assertAllEqual(layer.residual, before)
+      with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                  "xgrad_topk: non-finite gradient"):
+        tf.function(backward)(tf.constant(dy))
+      self.assertAllEqual(layer.residual, before)
+
+  @parameterized.named_parameters(*FLAVOURS)
   def test_accounting_and_summaries(self, cls):
     x = _x((4, 64))
     layer = cls(0.9, name="split0")

@@ -4,7 +4,8 @@ The forward activation crosses dense (identity). Backward, the target adds
 the residual E to the incoming gradient, G = dY + E, keeps the k = d -
 floor(d * sparsity) largest |G| per row (`tf.math.top_k`, ties to the lower
 index), sends those values and indices to the source and stores the rest,
-E <- G - C(G). The indices cross in the encoding of `tf_dct.ops.index_wire`
+E <- G - C(G). A non-finite incoming gradient raises
+`InvalidArgumentError` before the residual is read or written. The indices cross in the encoding of `tf_dct.ops.index_wire`
 (bit-packed or byte-aligned, whichever is smaller), as in `dct_mp_transfer`.
 
 The residual is per row, [N, d], for a fixed number of rows N (the per-replica
@@ -63,6 +64,11 @@ def xgrad_topk(x, sparsity: float, residual: tf.Variable,
 
     def grad(dy):
       with compact_transfer.device_scope(target or None):
+        # A non-finite gradient raises before the residual is read, so it
+        # never enters it (under XLA the check compiles away, as for the
+        # gradient compressors; see `error_feedback.check_finite`).
+        dy = tf.debugging.check_numerics(
+            dy, "xgrad_topk: non-finite gradient at the split")
         g = tf.reshape(dy, [-1, d]) + tf.cast(residual, dy.dtype)
         values, indices = compact_transfer.compact(g, k)
         kept = compact_transfer.densify(values, indices, d)
