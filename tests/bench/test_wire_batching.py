@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "bench", "wire_batching.py")
+from tests.bench import run_bench
 
 
 def _run(*args):
-  return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True,
-                        text=True, timeout=300, check=False)
+  return run_bench("wire_batching.py", *args)
 
 
 @pytest.mark.parametrize("args, message", [
