@@ -72,12 +72,15 @@ from tests.compression import reference_deft  # pylint: disable=g-import-not-at-
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "smoke run (n = 4 only, few steps)")
 flags.DEFINE_integer("steps", None, "training steps per compressor and n "
-                     "(default 40, quick 6)")
+                     "(default 40, quick 6)", lower_bound=1)
 flags.DEFINE_integer("sim_steps", None, "numpy simulation steps (default 12, "
-                     "quick 2)")
-flags.DEFINE_integer("repeats", None, "timed blocks per side (default 7, quick 2)")
-flags.DEFINE_integer("block", None, "steps per timed block (default 20, quick 5)")
-flags.DEFINE_integer("batch_size", 256, "global batch")
+                     "quick 2)", lower_bound=1)
+flags.DEFINE_integer("repeats", None, "timed blocks per side (default 7, quick 2)",
+                     lower_bound=1)
+flags.DEFINE_integer("block", None, "steps per timed block (default 20, quick 5)",
+                     lower_bound=1)
+flags.DEFINE_integer("batch_size", 256, "global batch, a multiple of 4 (one "
+                     "share per replica)", lower_bound=4)
 flags.DEFINE_list("real_n", None, "replica counts of the real runs "
                   "(default 2,4; quick 4: each run traces a 16-variable step)")
 flags.DEFINE_bool("step_time_only", False, "run part (d) alone: train each of "
@@ -96,6 +99,9 @@ DENSE_IN, INTER = 13, 351          # 16 + 351 = 367 top-MLP input
 NAMES = ["Dense", "DCTDP(L=1000)", "DCTDP(L=1000,cf=1)", "DCTDP(L=1000,min=1024)",
          "DCTDP(L=1)", "DEFT", "TopK", "CLTK", "HardThreshold"]
 
+flags.register_validator(
+    "batch_size", lambda b: b % NUM_CPUS == 0,
+    message=f"--batch_size must be a multiple of {NUM_CPUS}")
 flags.register_validator(
     "compressors", lambda names: names is None or set(names) <= set(NAMES),
     message=f"--compressors: each must be one of {NAMES}")

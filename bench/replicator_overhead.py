@@ -73,23 +73,29 @@ NUM_DEVICES = 4
 GOAL = 1.03
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", 100, "Timed steps per repeat (per side).")
+flags.DEFINE_integer("steps", 100, "Timed steps per repeat (per side).",
+                     lower_bound=1)
 flags.DEFINE_integer("batch_size", 256,
-                     f"Global batch size (a multiple of {NUM_DEVICES}).")
-flags.DEFINE_integer("repeats", 15, "Interleaved timed repeats per side.")
+                     f"Global batch size (a multiple of {NUM_DEVICES}).",
+                     lower_bound=NUM_DEVICES)
+flags.DEFINE_integer("repeats", 15, "Interleaved timed repeats per side.",
+                     lower_bound=1)
 flags.DEFINE_bool("rotate", True,
                   "Rotate which side starts each interleaved repeat (else the "
                   "order is fixed: ours, raw, ref, ours, raw, ref, ...).")
-flags.DEFINE_integer("warmup_steps", 30, "Untimed steps per side after tracing.")
-flags.DEFINE_integer("input_dim", 64, "MLP input features.")
-flags.DEFINE_integer("hidden", 256, "MLP hidden units per layer.")
-flags.DEFINE_integer("num_layers", 2, "MLP hidden layers.")
-flags.DEFINE_integer("num_classes", 10, "MLP output classes.")
+flags.DEFINE_integer("warmup_steps", 30, "Untimed steps per side after tracing.",
+                     lower_bound=0)
+flags.DEFINE_integer("input_dim", 64, "MLP input features.", lower_bound=1)
+flags.DEFINE_integer("hidden", 256, "MLP hidden units per layer.", lower_bound=1)
+flags.DEFINE_integer("num_layers", 2, "MLP hidden layers.", lower_bound=0)
+flags.DEFINE_integer("num_classes", 10, "MLP output classes.", lower_bound=2)
 flags.DEFINE_integer("dataset_batches", 16,
-                     "Distinct global batches in the (repeated) dataset.")
+                     "Distinct global batches in the (repeated) dataset.",
+                     lower_bound=1)
 flags.DEFINE_integer("check_steps", 3,
                      "Steps from identical weights used to check that both "
-                     "sides compute the same update (0 disables).")
+                     "sides compute the same update (0 disables).",
+                     lower_bound=0)
 flags.DEFINE_bool("breakdown", True,
                   "Also time an input-only step (trivial step_fn) per side.")
 flags.DEFINE_bool("reference", True,
@@ -98,6 +104,9 @@ flags.DEFINE_bool("reference", True,
 flags.DEFINE_bool("quick", False,
                   "Smoke test: few steps and repeats (< 1 minute).")
 flags.DEFINE_integer("seed", 0, "Seed for data and initial weights.")
+flags.register_validator(
+    "batch_size", lambda b: b % NUM_DEVICES == 0,
+    message=f"--batch_size must be a multiple of {NUM_DEVICES}")
 
 
 # --- model, data, step ----------------------------------------------------------
@@ -330,8 +339,6 @@ def main(argv):
   else:
     steps, repeats, warmup = FLAGS.steps, FLAGS.repeats, FLAGS.warmup_steps
   global_batch = FLAGS.batch_size
-  if global_batch % NUM_DEVICES:
-    raise app.UsageError(f"--batch_size must be a multiple of {NUM_DEVICES}")
   tf_keras.utils.set_random_seed(FLAGS.seed)
   x, y = make_data(FLAGS.dataset_batches * global_batch, FLAGS.input_dim,
                    FLAGS.num_classes, FLAGS.seed)

@@ -18,3 +18,10 @@ def run_bench(script: str, *args: str, timeout: int = 300):
   return subprocess.run([sys.executable, os.path.join(ROOT, "bench", script),
                          *args], capture_output=True, text=True,
                         timeout=timeout, check=False)
+
+
+def assert_refused(script: str, args, message: str) -> None:
+  """`bench/<script>` with `args` exits non-zero and says `message`."""
+  proc = run_bench(script, *args)
+  assert proc.returncode != 0, proc.stdout[-2000:]
+  assert message in proc.stderr, proc.stderr[-2000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.bench import assert_refused
 from tests.bench import run_bench
 
 
@@ -19,9 +20,7 @@ def _run(*args):
     (["--learning_rate=0"], "--learning_rate must be > 0"),
 ])
 def test_bad_flags_are_refused_by_name(args, message):
-  proc = _run(*args)
-  assert proc.returncode != 0
-  assert message in proc.stderr
+  assert_refused("adam_bursts.py", args, message)
 
 
 def test_sgd_moves_as_far_with_bursts_and_adam_does_not():

@@ -6,8 +6,23 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.bench import ROOT
+from tests.bench import assert_refused
 from tests.bench import run_bench
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repeats=0"], "flag --repeats=0: 0 is not a positive integer"),
+    (["--block=0"], "flag --block=0: 0 is not a positive integer"),
+    (["--steps=0"], "flag --steps=0: 0 is not a positive integer"),
+    (["--sim_steps=0"], "flag --sim_steps=0: 0 is not a positive integer"),
+    (["--batch_size=2"], "flag --batch_size=2: 2 is not integer >= 4"),
+    (["--batch_size=10"], "--batch_size must be a multiple of 4"),
+])
+def test_bad_flags_are_refused_by_name(args, message):
+  assert_refused("compression.py", args, message)
 
 
 def test_unknown_compressor_is_refused_with_the_allowed_names():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.bench import assert_refused
 from tests.bench import run_bench
 
 
@@ -21,9 +22,7 @@ def _run(*args):
     (["--mlp_width=0"], "--mlp_width"),
 ])
 def test_bad_flags_are_refused_by_name(args, message):
-  proc = _run(*args)
-  assert proc.returncode != 0
-  assert message in proc.stderr
+  assert_refused("wire_batching.py", args, message)
 
 
 def test_prints_one_row_per_shape_and_encoding():
