@@ -124,5 +124,32 @@ class HelpersTest(tf.test.TestCase):
           [tf.constant([bad, 0.0]), slices(3.0)]).numpy())
 
 
+class GateTest(tf.test.TestCase):
+
+  def test_ops_under_the_checks_get_one_control_input(self):
+    # Every op under tf.control_dependencies(xs) gets each x as a control
+    # input: with one per gradient, a step of V variables had O(V^2) edges.
+    inputs = {}
+
+    @tf.function
+    def fn(grads):
+      checked = error_feedback.check_finite("t", grads, variables)
+      with tf.control_dependencies(error_feedback.dependencies(checked)):
+        inputs["const"] = tf.constant(1.0).op.control_inputs
+      with tf.control_dependencies(error_feedback.gate(checked + [None])):
+        inputs["after"] = tf.constant(2.0).op.control_inputs
+      return checked
+
+    variables = [tf.Variable(tf.zeros([3]), name=f"v{i}") for i in range(20)]
+    out = fn([tf.fill([3], float(i)) for i in range(20)])
+    self.assertLen(inputs["const"], 1)
+    self.assertLen(inputs["after"], 1)
+    self.assertLen(inputs["const"][0].control_inputs, 20)  # the gate waits for all
+    self.assertAllEqual(out[19], [19.0] * 3)
+    # Eagerly nothing needs gating: the checks have run already.
+    eager = [tf.constant([1.0])]
+    self.assertEqual(error_feedback.gate(eager), eager)
+
+
 if __name__ == "__main__":
   tf.test.main()

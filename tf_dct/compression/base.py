@@ -199,7 +199,7 @@ class Compressor(tf.Module):
                  and int(local0) == self._replicator.first_local_replica_id)
     done = [r.values if isinstance(r, tf.IndexedSlices) else r
             for r in results if r is not None]
-    with tf.control_dependencies(done):
+    with tf.control_dependencies(error_feedback.gate(done)):
       self.accounting.update({k: rec for k, (_, rec) in records.items()},
                              ctx.num_replicas_in_sync, summaries)
 
@@ -289,7 +289,7 @@ class Compressor(tf.Module):
     ok = tf.equal(bad, 0.0)
     done = [r.values if isinstance(r, tf.IndexedSlices) else r
             for r in results if r is not None]
-    with tf.control_dependencies(done):
+    with tf.control_dependencies(error_feedback.gate(done)):
       for var, before in saved:
         var.assign(tf.where(ok, var.read_value(), before))
 

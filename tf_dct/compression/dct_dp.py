@@ -302,7 +302,7 @@ class DCTDP(Compressor):
     # contribution depends on all of its gradient checks, so when any replica
     # meets a non-finite gradient the collectives never complete and no
     # replica updates its state (no replica runs ahead of the others).
-    with tf.control_dependencies([r for r in results if r is not None]):
+    with tf.control_dependencies(error_feedback.gate(results)):
       for write in writes:
         write()
     self._report(variables, results, reports)

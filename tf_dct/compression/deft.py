@@ -353,7 +353,7 @@ class DEFT(Compressor):
           results[i] = t if results[i] is None else results[i] + t
     # The collectives depend on every replica's checks: if one replica meets a
     # non-finite gradient, they never complete and no replica writes state.
-    with tf.control_dependencies(results):
+    with tf.control_dependencies(error_feedback.gate(results)):
       for write in writes:
         write()
     return results

@@ -168,7 +168,7 @@ class ErrorFeedbackCompressor(Compressor):
           results[i] = t if results[i] is None else results[i] + t
     # Writes wait for the collectives, which wait for every replica's checks:
     # when one replica meets a non-finite gradient, no replica's state moves.
-    with tf.control_dependencies([r for r in results if r is not None]):
+    with tf.control_dependencies(error_feedback.gate(results)):
       for (_, v, st, it), out in zip(items, outcomes):
         self._write(v, st, it, out)
     self._report(variables, results, items, outcomes)
