@@ -48,6 +48,37 @@ class PrivateApiTest(tf.test.TestCase):
     self.assertIsInstance(mirrored, tf.distribute.DistributedValues)
     self.assertEqual(var.device, repl.replica_devices[2])
 
+  def test_static_replica_id_matches_the_public_one_and_builds_no_op(self):
+    repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"])
+    seen = []
+
+    def step():
+      ctx = tf.distribute.get_replica_context()
+      graph = tf.compat.v1.get_default_graph()
+      before = len(graph.get_operations())
+      mine = _private.static_replica_id(ctx)
+      built = len(graph.get_operations()) - before
+      public = tf.get_static_value(ctx.replica_id_in_sync_group)
+      seen.append((mine, int(public), built))
+      return tf.constant(0)
+
+    tf.function(lambda: repl.run(step))()
+    self.assertEqual(sorted(seen), [(0, 0, 0), (1, 1, 0)])
+
+  def test_static_replica_id_of_a_tensor_id(self):
+    class Ctx:  # TPU replication keeps the id as a tensor
+      def __init__(self, value):
+        self._replica_id_in_sync_group = value
+
+    self.assertEqual(_private.static_replica_id(Ctx(tf.constant(3))), 3)
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.int32)])
+    def dynamic(x):
+      self.assertIsNone(_private.static_replica_id(Ctx(x)))
+      return x
+
+    dynamic(tf.constant(1))
+
 
 if __name__ == "__main__":
   tf.test.main()

@@ -141,6 +141,23 @@ def in_xla_context() -> bool:
   return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
 
+def static_replica_id(ctx: tf.distribute.ReplicaContext) -> int | None:
+  """The replica id of `ctx` as a Python int; None when it is not static.
+
+  The public `ReplicaContext.replica_id_in_sync_group` builds a new constant
+  op on every call. Per-replica state calls it for every read and write, so a
+  step of V variables got thousands of constants, each with the control
+  inputs of the block it was built in. This reads the value the property
+  wraps, `ReplicaContext._replica_id_in_sync_group`: a Python int under
+  Mirrored strategies, a tensor under TPU replication (shared program).
+  """
+  value = ctx._replica_id_in_sync_group  # pylint: disable=protected-access
+  if tf.is_tensor(value):
+    value = tf.get_static_value(value)
+    return None if value is None else int(value)
+  return int(value)
+
+
 def check() -> None:
   """Raises AssertionError if a private API we rely on has drifted."""
   assert isinstance(mirrored_strategy.MirroredStrategy._collective_key_base, int), (
@@ -178,6 +195,11 @@ def check() -> None:
         f"eager Context.{name} signature changed")
   assert hasattr(context.Context, "coordination_service"), (
       "eager Context.coordination_service is gone")
+  from tensorflow.python.distribute import distribute_lib  # pylint: disable=g-import-not-at-top
+  src = inspect.getsource(distribute_lib.ReplicaContext.replica_id_in_sync_group.fget)
+  assert "self._replica_id_in_sync_group" in src, (
+      "ReplicaContext.replica_id_in_sync_group no longer wraps "
+      "_replica_id_in_sync_group")
   from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
   assert callable(getattr(control_flow_util, "GraphOrParentsInXlaContext", None)), (
       "control_flow_util.GraphOrParentsInXlaContext is gone")

@@ -88,7 +88,7 @@ class ReplicatorMixin:
   def local_replica_index(self, caller: str = "local_replica_index") -> int:
     """Index among this worker's replicas of the replica tracing step_fn."""
     ctx = primitives.replica_context(caller, self)
-    replica_id = tf.get_static_value(ctx.replica_id_in_sync_group)
+    replica_id = _private.static_replica_id(ctx)
     if replica_id is None:
       raise NotImplementedError(
           f"{caller}() needs a static replica id, which this strategy does "

@@ -8,6 +8,7 @@ import tf_dct
 from tf_dct import compression
 from tf_dct.compression import error_feedback
 from tests import util
+from tests.compression import harness
 
 
 def setUpModule():
@@ -149,6 +150,88 @@ class GateTest(tf.test.TestCase):
     # Eagerly nothing needs gating: the checks have run already.
     eager = [tf.constant([1.0])]
     self.assertEqual(error_feedback.gate(eager), eager)
+
+
+class _State:
+  """Stands in for a PerReplicaState: `local()` is one plain variable."""
+
+  def __init__(self, value):
+    self.variable = tf.Variable(value)
+
+  def local(self):
+    return self.variable
+
+
+class ReadCheckedTest(parameterized.TestCase, tf.test.TestCase):
+
+  def test_only_the_reads_wait_for_the_checks(self):
+    seen = {}
+
+    @tf.function
+    def fn(grads):
+      checked = error_feedback.check_finite("t", grads, variables)
+      deps = error_feedback.dependencies(checked)
+      values = error_feedback.read_checked(deps, states, ("residual", "step"))
+      seen["reads"] = [v[key].op for v in values if v for key in v]
+      seen["empty"] = values[1]
+      acc = checked[0] + values[0]["residual"]
+      seen["acc"] = acc.op
+      return acc, values[2]["step"]
+
+    variables = [tf.Variable(tf.zeros([2]), name=f"v{i}") for i in range(3)]
+    states = [{"residual": _State([1.0, 2.0]), "step": _State(5)}, {},
+              {"residual": _State([0.0, 0.0]), "step": _State(7)}]
+    acc, step = fn([tf.constant([1.0, 1.0])] * 3)
+    self.assertAllEqual(acc, [2.0, 3.0])
+    self.assertEqual(int(step), 7)
+    self.assertEqual(seen["empty"], {})
+    self.assertLen(seen["reads"], 4)
+    for op in seen["reads"]:  # read_value(): Identity(ReadVariableOp)
+      read = op if op.type == "ReadVariableOp" else op.inputs[0].op
+      self.assertEqual(read.type, "ReadVariableOp")
+      self.assertLen(read.control_inputs, 1)  # the one gate over the checks
+      self.assertLen(read.control_inputs[0].control_inputs, 3)
+    self.assertEqual(seen["acc"].control_inputs, [])  # waits through its data
+
+  def test_non_finite_gradient_raises_before_the_read(self):
+    state = {"residual": _State([1.0])}
+    variables = [tf.Variable([0.0], name="w")]
+
+    @tf.function
+    def fn(grads):
+      checked = error_feedback.check_finite("t", grads, variables)
+      values = error_feedback.read_checked(
+          error_feedback.dependencies(checked), [state], ("residual",))
+      with tf.control_dependencies([values[0]["residual"]]):
+        return state["residual"].variable.assign([9.0])
+
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "non-finite"):
+      fn([tf.constant([np.nan])])
+    self.assertAllEqual(state["residual"].variable, [1.0])
+
+  @parameterized.named_parameters(
+      ("DCTDP", lambda: compression.DCTDP(0.8, threshold_life=3, min_size=10), 3),
+      ("DEFT", lambda: compression.DEFT(0.2, min_size=10), 2),
+      ("TopK", lambda: compression.TopK(0.2, min_size=10), 2),
+      ("CLTK", lambda: compression.CLTK(0.2, min_size=10), 2),
+      ("HardThreshold", lambda: compression.HardThreshold(0.5, min_size=10), 2))
+  def test_in_a_step_only_reads_and_dense_sums_wait_for_the_checks(
+      self, make, reads_per_replica):
+    # A control edge from the checks on every op of the step cost grappler
+    # minutes on large models; every other op waits through its data.
+    shapes = [(6, 5), (3,)]  # the second is below min_size: dense, no state
+    repl, step_fn, _, _ = harness.run(
+        make(), harness.gradients(1, 2, shapes=shapes), 2, shapes=shapes)
+    step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
+    ops = step.get_concrete_function().graph.get_operations()
+    gates = {op for op in ops if op.type == "NoOp" and op.control_inputs
+             and all(c.type == "CheckNumerics" for c in op.control_inputs)}
+    self.assertLen(gates, 2)  # one per replica
+    waiting = [op for op in ops if gates & set(op.control_inputs)]
+    self.assertLen([op for op in waiting if op.type == "ReadVariableOp"],
+                   2 * reads_per_replica)
+    self.assertLen([op for op in waiting if op.type == "Identity"], 2)
+    self.assertLen(waiting, 2 * reads_per_replica + 2)
 
 
 if __name__ == "__main__":

@@ -145,8 +145,21 @@ class Compressor(tf.Module):
         nnz = tf.minimum(tf.size(out.values, out_type=tf.int64), n)  # upper bound
         self.record(var, gather_bytes=payload, nnz=nnz, sent=min(sent, n))
       else:  # N entries all-reduced, N non-zero
-        self.record(var, reduce_bytes=n * grad.dtype.size)
+        self.record_dense(var)
     return reduced
+
+  def record_dense(self, variable: tf.Variable) -> None:
+    """Records `variable` as all-reduced as it is: N entries, N non-zero."""
+    self.record(variable, reduce_bytes=(variable.shape.num_elements()
+                                        * variable.dtype.size))
+
+  @staticmethod
+  def aggregate_nnz(result: tf.Tensor, warm=None) -> tf.Tensor:
+    """int64 non-zero entries of an aggregate; N where `warm` (a dense step)."""
+    nnz = tf.math.count_nonzero(result, dtype=tf.int64)
+    if warm is None:
+      return nnz
+    return tf.where(warm, tf.constant(result.shape.num_elements(), tf.int64), nnz)
 
   @property
   def timing_enabled(self) -> bool:
@@ -194,7 +207,7 @@ class Compressor(tf.Module):
     with self._lock, tf.init_scope():
       for key, (var, rec) in records.items():
         self.accounting.ensure(self, key, var.name.split(":")[0], rec.counters)
-    local0 = tf.get_static_value(ctx.replica_id_in_sync_group)
+    local0 = _private.static_replica_id(ctx)
     summaries = (self.timing_enabled and local0 is not None
                  and int(local0) == self._replicator.first_local_replica_id)
     done = [r.values if isinstance(r, tf.IndexedSlices) else r

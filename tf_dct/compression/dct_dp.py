@@ -258,46 +258,48 @@ class DCTDP(Compressor):
     checked = error_feedback.check_finite("DCTDP", grads, variables)
     deps = error_feedback.dependencies(checked)
     results = [None] * len(grads)
-    dense_items = []    # (position in results, tensor to all-reduce)
     sparse_items = []   # (position, idx, val, n, shape)
     writes = []         # deferred state updates, one closure per group
     reports = {}        # position -> (record kwargs, warm) of sparse variables
     timing = self.timing_enabled
-    # No state is read before every gradient of this replica passed the check.
+    # No state is read before every gradient of this replica passed the check,
+    # and the dense sums wait for the checks too, so every tensor this replica
+    # contributes to a collective depends on all of its checks.
+    values = error_feedback.read_checked(deps, states,
+                                         ("residual", "threshold", "step"))
     with tf.control_dependencies(deps):
-      accs = {}
-      for i, (g, v, st) in enumerate(zip(checked, variables, states)):
-        if not st:  # below min_size (or empty): plain dense SUM, no state
-          dense_items.append((i, tf.identity(g)))
-          continue
-        accs[i] = error_feedback.accumulate(                       # DCT Algorithm 1 line 2
-            g, st["residual"].local().read_value(), v)
-      # One selection-time span for all variables (see `accounting`).
-      start = accounting.start_timer(list(accs.values()), timing)
-      for members in self._groups(accs, variables):
-        items, dense_parts, write, group_reports = self._sparsify(
-            [(accs[i], variables[i], states[i]) for i in members], start)
-        sparse_items += [(i,) + item for i, item in zip(members, items)]
-        dense_items += [(i, d) for i, d in zip(members, dense_parts)
-                        if d is not None]
-        writes.append(write)
-        reports.update(zip(members, group_reports))
-      sparse_items.sort(key=lambda item: item[0])
-      if sparse_items:
-        first = sparse_items[0][0]
-        reports[first][0]["selection_seconds"] = accounting.stop_timer(
-            start, [t for _, idx, val, _, _ in sparse_items for t in (idx, val)],
-            timing)
-        summed = sparse_wire.exchange_many(  # DCT Algorithm 1 line 12
-            ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items],
-            encoding=self.index_encoding, presorted=True)
-        for (i, _, _, _, shape), flat in zip(sparse_items, summed):
-          results[i] = tf.reshape(flat, shape)
-      if dense_items:
-        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                 [t for _, t in dense_items])
-        for (i, _), t in zip(dense_items, reduced):
-          results[i] = t if results[i] is None else results[i] + t
+      dense_items = [(i, tf.identity(g)) for i, (g, st)
+                     in enumerate(zip(checked, states)) if not st]
+    accs = {i: error_feedback.accumulate(g, values[i]["residual"], v)  # DCT Algorithm 1 line 2
+            for i, (g, v, st) in enumerate(zip(checked, variables, states))
+            if st}  # no state: below min_size (or empty), plain dense SUM
+    # One selection-time span for all variables (see `accounting`).
+    start = accounting.start_timer(list(accs.values()), timing)
+    for members in self._groups(accs, variables):
+      items, dense_parts, write, group_reports = self._sparsify(
+          [(accs[i], variables[i], states[i], values[i]) for i in members],
+          start)
+      sparse_items += [(i,) + item for i, item in zip(members, items)]
+      dense_items += [(i, d) for i, d in zip(members, dense_parts)
+                      if d is not None]
+      writes.append(write)
+      reports.update(zip(members, group_reports))
+    sparse_items.sort(key=lambda item: item[0])
+    if sparse_items:
+      first = sparse_items[0][0]
+      reports[first][0]["selection_seconds"] = accounting.stop_timer(
+          start, [t for _, idx, val, _, _ in sparse_items for t in (idx, val)],
+          timing)
+      summed = sparse_wire.exchange_many(  # DCT Algorithm 1 line 12
+          ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items],
+          encoding=self.index_encoding, presorted=True)
+      for (i, _, _, _, shape), flat in zip(sparse_items, summed):
+        results[i] = tf.reshape(flat, shape)
+    if dense_items:
+      reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                               [t for _, t in dense_items])
+      for (i, _), t in zip(dense_items, reduced):
+        results[i] = t if results[i] is None else results[i] + t
     # State is written only once the collectives completed. Every replica's
     # contribution depends on all of its gradient checks, so when any replica
     # meets a non-finite gradient the collectives never complete and no
@@ -311,15 +313,11 @@ class DCTDP(Compressor):
   def _report(self, variables, results, reports) -> None:
     """Hands this step's per-variable facts to the accounting of the base."""
     for i, (v, r) in enumerate(zip(variables, results)):
-      n = v.shape.num_elements()
       if i not in reports:  # dense variable: all-reduced as it is
-        self.record(v, reduce_bytes=n * v.dtype.size)
+        self.record_dense(v)
         continue
       report, warm = reports[i]
-      nnz = tf.math.count_nonzero(r, dtype=tf.int64)
-      if warm is not None:
-        nnz = tf.where(warm, tf.constant(n, tf.int64), nnz)
-      self.record(v, nnz=nnz, **report)
+      self.record(v, nnz=self.aggregate_nnz(r, warm), **report)
 
   def _groups(self, accs: dict, variables) -> list[list[int]]:
     """Positions of the variables selected together, in variable order.
@@ -349,8 +347,9 @@ class DCTDP(Compressor):
     segment.
 
     Args:
-      group: `(acc, variable, state)` per variable, acc = g + E (line 2) as
-        a flat vector, all of one dtype.
+      group: `(acc, variable, state, values)` per variable, acc = g + E
+        (line 2) as a flat vector, all of one dtype, and `values` the state's
+        step and threshold as read after the gradient checks.
       start: the step's selection timer (every selection op waits for it).
 
     Returns:
@@ -359,9 +358,10 @@ class DCTDP(Compressor):
       variable of the group; per variable what to report to the accounting
       (`record` arguments, and the warmup flag).
     """
-    accs = [acc for acc, _, _ in group]
-    variables = [v for _, v, _ in group]
-    states = [st for _, _, st in group]
+    accs = [acc for acc, _, _, _ in group]
+    variables = [v for _, v, _, _ in group]
+    states = [st for _, _, st, _ in group]
+    values = [value for _, _, _, value in group]
     sizes = [v.shape.num_elements() for v in variables]
     below = [num_below(n, self.sparsity) for n in sizes]
     caps = [capacity(n, self.sparsity, self.capacity_factor) for n in sizes]
@@ -372,8 +372,8 @@ class DCTDP(Compressor):
     split = (lambda t: [t]) if one else (lambda t: tf.split(t, sizes))
     split_slots = (lambda t: [t]) if one else (lambda t: tf.split(t, caps))
 
-    k = tf.stack([st["step"].local().read_value() for st in states])
-    old_tau = tf.stack([st["threshold"].local().read_value() for st in states])
+    k = tf.stack([value["step"] for value in values])
+    old_tau = tf.stack([value["threshold"] for value in values])
     flat = accs[0] if one else tf.concat(accs, 0)
     with tf.control_dependencies([start] if self.timing_enabled else []):
       magnitude = tf.abs(flat)

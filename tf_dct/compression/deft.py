@@ -330,27 +330,31 @@ class DEFT(Compressor):
     dense_items = []  # (position in results, tensor to all-reduce)
     groups = {}       # dtype -> positions of its compressed variables
     writes = []
-    # No state is read before every gradient of this replica passed the check.
-    with tf.control_dependencies(error_feedback.dependencies(checked)):
+    # No state is read before every gradient of this replica passed the check,
+    # and the dense sums wait for the checks too, so everything this replica
+    # contributes to a collective depends on all of its checks.
+    deps = error_feedback.dependencies(checked)
+    values = error_feedback.read_checked(deps, states, ("residual", "step"))
+    with tf.control_dependencies(deps):
       for i, (g, st) in enumerate(zip(checked, states)):
         if st:
           groups.setdefault(g.dtype, []).append(i)
         else:  # below min_size (or empty): plain dense SUM, no state
           dense_items.append((i, tf.identity(g)))
-      for members in groups.values():
-        sparse, dense, write = self._group(
-            ctx, [checked[i] for i in members], [variables[i] for i in members],
-            [states[i] for i in members])
-        writes.append(write)
-        for i, s in zip(members, sparse):
-          results[i] = s
-        if dense is not None:
-          dense_items.extend(zip(members, dense))
-      if dense_items:
-        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                 [t for _, t in dense_items])
-        for (i, _), t in zip(dense_items, reduced):
-          results[i] = t if results[i] is None else results[i] + t
+    for members in groups.values():
+      sparse, dense, write = self._group(
+          ctx, [checked[i] for i in members], [variables[i] for i in members],
+          [states[i] for i in members], [values[i] for i in members])
+      writes.append(write)
+      for i, s in zip(members, sparse):
+        results[i] = s
+      if dense is not None:
+        dense_items.extend(zip(members, dense))
+    if dense_items:
+      reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                               [t for _, t in dense_items])
+      for (i, _), t in zip(dense_items, reduced):
+        results[i] = t if results[i] is None else results[i] + t
     # The collectives depend on every replica's checks: if one replica meets a
     # non-finite gradient, they never complete and no replica writes state.
     with tf.control_dependencies(error_feedback.gate(results)):
@@ -381,8 +385,10 @@ class DEFT(Compressor):
                   sent=selected[i],
                   selection_seconds=seconds if i == 0 else None)
 
-  def _group(self, ctx, grads, variables, states):
+  def _group(self, ctx, grads, variables, states, values):
     """DEFT Algorithms 1-5 for one group on this replica.
+
+    `values` holds each state's residual and step as read after the checks.
 
     Returns the per-variable sparse sums, the per-variable dense parts (warmup
     only, else None) and a closure writing the new state.
@@ -398,11 +404,11 @@ class DEFT(Compressor):
     k_total = total_k(n_g, self.density)
     cap = union_capacity(n_g, k_total, len(parts))
     residuals = [st["residual"].local() for st in states]
-    step = states[0]["step"].local().read_value()
+    step = values[0]["step"]
 
     # DEFT Algorithm 1 line 5: acc = g + E, all variables in one flat vector.
-    acc = tf.concat([error_feedback.accumulate(g, r.read_value(), v)
-                     for g, r, v in zip(grads, residuals, variables)], axis=0)
+    acc = tf.concat([error_feedback.accumulate(g, value["residual"], v)
+                     for g, value, v in zip(grads, values, variables)], axis=0)
     pieces = [acc[p.start:p.start + p.size] for p in parts]
     norms = tf.stack([tf.sqrt(tf.reduce_sum(tf.square(tf.cast(x, tf.float32))))
                       for x in pieces])

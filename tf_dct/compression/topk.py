@@ -144,28 +144,32 @@ class ErrorFeedbackCompressor(Compressor):
     results = [None] * len(grads)
     dense = []    # (position, tensor to all-reduce)
     items = []    # (position, variable, state, Item)
-    # No state is read before every gradient of this replica passed its check.
-    with tf.control_dependencies(error_feedback.dependencies(checked)):
-      for i, (g, v, st) in enumerate(zip(checked, variables, states)):
-        if not st:  # below min_size (or empty): plain dense SUM, no state
+    # No state is read before every gradient of this replica passed its check,
+    # and the dense sums wait for the checks too, so everything this replica
+    # contributes to a collective depends on all of its checks.
+    deps = error_feedback.dependencies(checked)
+    values = error_feedback.read_checked(deps, states, ("residual", "step"))
+    for i, (g, v, st, value) in enumerate(zip(checked, variables, states, values)):
+      if not st:  # below min_size (or empty): plain dense SUM, no state
+        with tf.control_dependencies(deps):
           dense.append((i, tf.identity(g)))
-          continue
-        acc = error_feedback.accumulate(           # DEFT Algorithm 1 line 5
-            g, st["residual"].local().read_value(), v)
-        step = st["step"].local().read_value()
-        warm = step < self.warmup_steps if self.warmup_steps else None
-        items.append((i, v, st, Item(acc, step, warm, v.shape.num_elements())))
-        if warm is not None:
-          dense.append((i, tf.reshape(tf.where(warm, acc, tf.zeros_like(acc)),
-                                      v.shape)))
-      outcomes = self._exchange(ctx, [it for *_, it in items]) if items else []
-      for (i, v, _, _), out in zip(items, outcomes):
-        results[i] = tf.reshape(out.summed, v.shape)
-      if dense:
-        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                 [t for _, t in dense])
-        for (i, _), t in zip(dense, reduced):
-          results[i] = t if results[i] is None else results[i] + t
+        continue
+      acc = error_feedback.accumulate(             # DEFT Algorithm 1 line 5
+          g, value["residual"], v)
+      step = value["step"]
+      warm = step < self.warmup_steps if self.warmup_steps else None
+      items.append((i, v, st, Item(acc, step, warm, v.shape.num_elements())))
+      if warm is not None:
+        dense.append((i, tf.reshape(tf.where(warm, acc, tf.zeros_like(acc)),
+                                    v.shape)))
+    outcomes = self._exchange(ctx, [it for *_, it in items]) if items else []
+    for (i, v, _, _), out in zip(items, outcomes):
+      results[i] = tf.reshape(out.summed, v.shape)
+    if dense:
+      reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                               [t for _, t in dense])
+      for (i, _), t in zip(dense, reduced):
+        results[i] = t if results[i] is None else results[i] + t
     # Writes wait for the collectives, which wait for every replica's checks:
     # when one replica meets a non-finite gradient, no replica's state moves.
     with tf.control_dependencies(error_feedback.gate(results)):
@@ -178,17 +182,16 @@ class ErrorFeedbackCompressor(Compressor):
     """Hands this step's per-variable facts to the base's accounting."""
     sparse = {i: (it, out) for (i, _, _, it), out in zip(items, outcomes)}
     for i, (v, r) in enumerate(zip(variables, results)):
-      n = v.shape.num_elements()
       if i not in sparse:  # dense variable: all-reduced as it is
-        self.record(v, reduce_bytes=n * v.dtype.size)
+        self.record_dense(v)
         continue
       it, out = sparse[i]
+      n = v.shape.num_elements()
       report = dict(out.report)
-      nnz = tf.math.count_nonzero(r, dtype=tf.int64)
+      nnz = self.aggregate_nnz(r, it.warm)  # it.warm is None without warmup
       sent, overflow = out.sent, out.overflow
       if self.warmup_steps:  # the dense all-reduce is issued on every step
         report["reduce_bytes"] = report.get("reduce_bytes", 0) + n * v.dtype.size
-        nnz = tf.where(it.warm, tf.constant(n, tf.int64), nnz)
         sent = tf.where(it.warm, n, sent)
         overflow = tf.where(it.warm, 0, overflow)
       self.record(v, nnz=nnz, sent=sent, counters={"overflow": overflow},
