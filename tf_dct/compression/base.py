@@ -161,6 +161,16 @@ class Compressor(tf.Module):
       return nnz
     return tf.where(warm, tf.constant(result.shape.num_elements(), tf.int64), nnz)
 
+  @staticmethod
+  def add_dense_sums(ctx, dense: Sequence, results: list) -> None:
+    """All-reduces `(position, tensor)` pairs in one batch (SUM) and adds each
+    sum into `results[position]` (None there: the sum itself)."""
+    if not dense:
+      return
+    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [t for _, t in dense])
+    for (i, _), t in zip(dense, reduced):
+      results[i] = t if results[i] is None else results[i] + t
+
   @property
   def timing_enabled(self) -> bool:
     """Whether selection time is measured (tf.timestamp has no XLA kernel)."""

@@ -259,21 +259,15 @@ class DCTDP(Compressor):
 
   def reduce(self, ctx, grads, variables, states):
     grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
-    checked = error_feedback.check_finite("DCTDP", grads, variables)
-    deps = error_feedback.dependencies(checked)
+    # No state is read before every gradient of this replica passed the check
+    # (see `error_feedback.checked_reads`).
+    checked, values, dense_items = error_feedback.checked_reads(
+        "DCTDP", grads, variables, states, ("residual", "threshold", "step"))
     results = [None] * len(grads)
     sparse_items = []   # (position, idx, val, n, shape)
     writes = []         # deferred state updates, one closure per group
     reports = {}        # position -> (record kwargs, warm) of sparse variables
     timing = self.timing_enabled
-    # No state is read before every gradient of this replica passed the check,
-    # and the dense sums wait for the checks too, so every tensor this replica
-    # contributes to a collective depends on all of its checks.
-    values = error_feedback.read_checked(deps, states,
-                                         ("residual", "threshold", "step"))
-    with tf.control_dependencies(deps):
-      dense_items = [(i, tf.identity(g)) for i, (g, st)
-                     in enumerate(zip(checked, states)) if not st]
     accs = {i: error_feedback.accumulate(g, values[i]["residual"], v)  # DCT Algorithm 1 line 2
             for i, (g, v, st) in enumerate(zip(checked, variables, states))
             if st}  # no state: below min_size (or empty), plain dense SUM
@@ -299,11 +293,7 @@ class DCTDP(Compressor):
           encoding=self.index_encoding, presorted=True)
       for (i, _, _, _, shape), flat in zip(sparse_items, summed):
         results[i] = tf.reshape(flat, shape)
-    if dense_items:
-      reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                               [t for _, t in dense_items])
-      for (i, _), t in zip(dense_items, reduced):
-        results[i] = t if results[i] is None else results[i] + t
+    self.add_dense_sums(ctx, dense_items, results)
     # State is written only once the collectives completed. Every replica's
     # contribution depends on all of its gradient checks, so when any replica
     # meets a non-finite gradient the collectives never complete and no

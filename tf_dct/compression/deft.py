@@ -325,22 +325,17 @@ class DEFT(Compressor):
 
   def reduce(self, ctx, grads, variables, states):
     grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
-    checked = error_feedback.check_finite("DEFT", grads, variables)
+    # No state is read before every gradient of this replica passed the check
+    # (see `error_feedback.checked_reads`); variables without state (below
+    # min_size, or empty) go to a plain dense SUM.
+    checked, values, dense_items = error_feedback.checked_reads(
+        "DEFT", grads, variables, states, ("residual", "step"))
     results = [None] * len(grads)
-    dense_items = []  # (position in results, tensor to all-reduce)
     groups = {}       # dtype -> positions of its compressed variables
     writes = []
-    # No state is read before every gradient of this replica passed the check,
-    # and the dense sums wait for the checks too, so everything this replica
-    # contributes to a collective depends on all of its checks.
-    deps = error_feedback.dependencies(checked)
-    values = error_feedback.read_checked(deps, states, ("residual", "step"))
-    with tf.control_dependencies(deps):
-      for i, (g, st) in enumerate(zip(checked, states)):
-        if st:
-          groups.setdefault(g.dtype, []).append(i)
-        else:  # below min_size (or empty): plain dense SUM, no state
-          dense_items.append((i, tf.identity(g)))
+    for i, (g, st) in enumerate(zip(checked, states)):
+      if st:
+        groups.setdefault(g.dtype, []).append(i)
     for members in groups.values():
       sparse, dense, write = self._group(
           ctx, [checked[i] for i in members], [variables[i] for i in members],
@@ -350,11 +345,7 @@ class DEFT(Compressor):
         results[i] = s
       if dense is not None:
         dense_items.extend(zip(members, dense))
-    if dense_items:
-      reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                               [t for _, t in dense_items])
-      for (i, _), t in zip(dense_items, reduced):
-        results[i] = t if results[i] is None else results[i] + t
+    self.add_dense_sums(ctx, dense_items, results)
     # The collectives depend on every replica's checks: if one replica meets a
     # non-finite gradient, they never complete and no replica writes state.
     with tf.control_dependencies(error_feedback.gate(results)):

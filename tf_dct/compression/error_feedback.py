@@ -76,6 +76,27 @@ def read_checked(deps: Sequence, states: Sequence[dict],
             for st in states]
 
 
+def checked_reads(owner: str, grads: Sequence, variables: Sequence,
+                  states: Sequence[dict], keys: Sequence[str]):
+  """One replica's gradient checks and what has to wait for them.
+
+  Returns `(checked, values, dense)`: the checked gradients
+  (`check_finite`); per state the values of `keys` read after every check
+  (`read_checked`, {} for variables without state); and `(position,
+  gradient)` of each variable without state, through an identity that also
+  waits for the checks, for the dense all-reduce. So everything the replica
+  contributes to a collective depends on all of its checks, while the other
+  ops of the step wait through their data only.
+  """
+  checked = check_finite(owner, grads, variables)
+  deps = dependencies(checked)
+  values = read_checked(deps, states, keys)
+  with tf.control_dependencies(deps):
+    dense = [(i, tf.identity(g)) for i, (g, st)
+             in enumerate(zip(checked, states)) if not st]
+  return checked, values, dense
+
+
 def gate(tensors: Sequence) -> list:
   """`tensors` as at most one op to pass to `tf.control_dependencies`.
 

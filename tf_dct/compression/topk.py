@@ -140,19 +140,15 @@ class ErrorFeedbackCompressor(Compressor):
 
   def reduce(self, ctx, grads, variables, states):
     grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
-    checked = error_feedback.check_finite(type(self).__name__, grads, variables)
+    # No state is read before every gradient of this replica passed its check
+    # (see `error_feedback.checked_reads`); variables without state (below
+    # min_size, or empty) go to a plain dense SUM.
+    checked, values, dense = error_feedback.checked_reads(
+        type(self).__name__, grads, variables, states, ("residual", "step"))
     results = [None] * len(grads)
-    dense = []    # (position, tensor to all-reduce)
     items = []    # (position, variable, state, Item)
-    # No state is read before every gradient of this replica passed its check,
-    # and the dense sums wait for the checks too, so everything this replica
-    # contributes to a collective depends on all of its checks.
-    deps = error_feedback.dependencies(checked)
-    values = error_feedback.read_checked(deps, states, ("residual", "step"))
     for i, (g, v, st, value) in enumerate(zip(checked, variables, states, values)):
-      if not st:  # below min_size (or empty): plain dense SUM, no state
-        with tf.control_dependencies(deps):
-          dense.append((i, tf.identity(g)))
+      if not st:
         continue
       acc = error_feedback.accumulate(             # DEFT Algorithm 1 line 5
           g, value["residual"], v)
@@ -165,11 +161,7 @@ class ErrorFeedbackCompressor(Compressor):
     outcomes = self._exchange(ctx, [it for *_, it in items]) if items else []
     for (i, v, _, _), out in zip(items, outcomes):
       results[i] = tf.reshape(out.summed, v.shape)
-    if dense:
-      reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                               [t for _, t in dense])
-      for (i, _), t in zip(dense, reduced):
-        results[i] = t if results[i] is None else results[i] + t
+    self.add_dense_sums(ctx, dense, results)
     # Writes wait for the collectives, which wait for every replica's checks:
     # when one replica meets a non-finite gradient, no replica's state moves.
     with tf.control_dependencies(error_feedback.gate(results)):
