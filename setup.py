@@ -9,6 +9,9 @@ setup(
                  "gradient/activation compression for TensorFlow 2"),
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["tf_dct", "tf_dct.*"]),
+    # C++ source of the optional native kernels, compiled on first use
+    # (tf_dct/ops/native.py).
+    package_data={"tf_dct.ops": ["kernels/*.cc"]},
     install_requires=[
         "tensorflow>=2.21,<2.22",
         "tf-keras>=2.21,<2.22",

@@ -36,7 +36,9 @@ Prints:
     in-run selection_seconds of DEFT and TopK for context.
 (d) step time of DCTDP(L=1000), DCTDP(L=1) (and the others) relative to
     Dense, n = 4, no network (logical CPUs share memory): interleaved timed
-    blocks, median.
+    blocks, median. DCT-DP runs its native kernels where they build
+    (tf_dct.ops.native); `--compressors='DCTDP(L=1000,stock)'` adds the
+    same compressor on stock TensorFlow ops, for an A/B in one run.
 
 Usage:
   python bench/compression.py            # full
@@ -98,18 +100,24 @@ TOP = [512, 256, 128, 1]
 DENSE_IN, INTER = 13, 351          # 16 + 351 = 367 top-MLP input
 NAMES = ["Dense", "DCTDP(L=1000)", "DCTDP(L=1000,cf=1)", "DCTDP(L=1000,min=1024)",
          "DCTDP(L=1)", "DEFT", "TopK", "CLTK", "HardThreshold"]
+# Timed only when asked for (--step_time_only --compressors=...): DCT-DP with
+# stock TensorFlow ops instead of the native kernels, for an A/B in one run.
+EXTRA = ["DCTDP(L=1000,stock)"]
 
 flags.register_validator(
     "batch_size", lambda b: b % NUM_CPUS == 0,
     message=f"--batch_size must be a multiple of {NUM_CPUS}")
 flags.register_validator(
-    "compressors", lambda names: names is None or set(names) <= set(NAMES),
-    message=f"--compressors: each must be one of {NAMES}")
+    "compressors",
+    lambda names: names is None or set(names) <= set(NAMES + EXTRA),
+    message=f"--compressors: each must be one of {NAMES + EXTRA}")
 
 
 def make_compressor(name, lam):
   return {"Dense": lambda: compression.Dense(),
           "DCTDP(L=1000)": lambda: compression.DCTDP(0.99, threshold_life=1000),
+          "DCTDP(L=1000,stock)": lambda: compression.DCTDP(
+              0.99, threshold_life=1000, native=False),
           # capacity_factor=1: wire slots = k exactly; what a reused tau
           # selects beyond k stays in the residual (counted as overflow).
           "DCTDP(L=1000,cf=1)": lambda: compression.DCTDP(

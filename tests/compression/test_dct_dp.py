@@ -1,6 +1,7 @@
 """Tests for tf_dct.compression.DCTDP against the numpy reference."""
 
 import contextlib
+from unittest import mock
 
 from absl.testing import parameterized
 import numpy as np
@@ -13,6 +14,8 @@ from tests import conservation
 from tests import util
 from tests.compression import harness
 from tests.compression import reference
+from tests.ops import test_native
+from tf_dct.ops import native as native_ops
 
 
 def setUpModule():
@@ -327,6 +330,72 @@ class GroupingTest(tf.test.TestCase, parameterized.TestCase):
     self.assertGreater(np.abs(np.concatenate(
         [np.ravel(o) for o in grouped[-1][0]])).sum(), 0)
     self.assertGreater(sum(np.abs(r).sum() for r in res_grouped), 0)
+
+
+class NativeTest(tf.test.TestCase, parameterized.TestCase):
+  """The native kernel (tf_dct.ops.native) changes no bit of DCT-DP."""
+
+  @parameterized.named_parameters(
+      ("guard_warmup", dict(warmup_steps=2, capacity_factor=1.2)),
+      ("no_guard_overflow", dict(density_band=None, capacity_factor=1.0)))
+  def test_native_equals_stock(self, extra):
+    test_native.require_native(self)
+    shapes = [(6, 5), (17,), (40,)]
+    grads = harness.gradients(9, 2, seed=7, shapes=shapes)
+    for t, step in enumerate(grads):  # a drifting scale: early refreshes
+      for g in step:
+        g[2] *= 2.0**t
+        g[0][0, :2] = 0.0  # zeros stay behind even when tau is 0
+    runs = {}
+    for native in (False, True):
+      compressor = DCTDP(0.7, threshold_life=4, native=native, **extra)
+      with _fuse_size(0):  # every variable alone: all of them native
+        repl, step_fn, _, history = harness.run(compressor, grads, 2,
+                                                shapes=shapes)
+      step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
+      graph = step.get_concrete_function().graph.as_graph_def()
+      kinds = {n.op for n in graph.node} | {  # with the branches of tf.cond
+          n.op for f in graph.library.function for n in f.node_def}
+      runs[native] = (history, compressor.communication_stats(), kinds)
+    self.assertFalse("TfDctThresholdSelect" in runs[False][2])
+    self.assertTrue("TfDctThresholdSelect" in runs[True][2])
+    # The kernel checks the gradients it reads: no CheckNumerics left.
+    self.assertTrue("CheckNumerics" in runs[False][2])
+    self.assertFalse("CheckNumerics" in runs[True][2])
+    (stock, stock_stats, _), (fused, fused_stats, _) = runs[False], runs[True]
+    for t, ((out, states), (base_out, base_states)) in enumerate(
+        zip(fused, stock)):
+      for r in range(2):
+        for v in range(len(shapes)):
+          self.assertAllEqual(out[r][v], base_out[r][v], msg=f"step {t} var {v}")
+      for st, base_st in zip(states, base_states):
+        for key in base_st:
+          self.assertAllEqual(st[key], base_st[key], msg=f"step {t} {key}")
+    for name, var in stock_stats["variables"].items():
+      self.assertEqual(fused_stats["variables"][name]["counters"],
+                       var["counters"])
+      self.assertEqual(fused_stats["variables"][name]["total"]["nnz"],
+                       var["total"]["nnz"])
+    if extra.get("density_band", 0) is not None:
+      self.assertGreater(
+          sum(stock_stats["variables"]["w2"]["counters"]["early_refreshes"]), 0)
+    else:
+      self.assertGreater(sum(sum(h[1][2]["overflow"]) for h in stock), 0)
+
+  def test_non_finite_gradient_leaves_state_alone(self):
+    test_native.require_native(self)
+    with _fuse_size(0):  # both variables alone: checked by the kernel
+      harness.check_non_finite(
+          self, DCTDP(sparsity=0.8, threshold_life=5, native=True),
+          "DCTDP: non-finite gradient for variable .* : Tensor had NaN")
+
+  def test_native_argument(self):
+    with self.assertRaisesRegex(ValueError, "native must be None, True or False"):
+      DCTDP(native=1)
+    with mock.patch.object(native_ops, "available", return_value=False):
+      with self.assertRaisesRegex(RuntimeError, "native=True.*cannot be built"):
+        DCTDP(native=True)
+      DCTDP(native=None)  # falls back quietly
 
 
 class DensityGuardTest(tf.test.TestCase, parameterized.TestCase):

@@ -43,6 +43,11 @@ them exactly):
   the residual is never updated with them. State is written only after the
   step's collectives complete, and those wait for every replica's checks, so
   when one replica fails no replica's state advances (replicas stay in step).
+  Variables that go through the native kernel (see below) are checked by
+  the kernel itself as it reads the gradient, with the same error; the
+  all-gather carries every selected variable, so it waits for those checks
+  too (the dense all-reduce of variables without state may complete first,
+  which moves no state).
   Compiled with XLA, where nothing can raise, the step is undone instead:
   the state is put back and the aggregate is NaN (`Compressor.aggregate`).
 * IndexedSlices gradients (embeddings) are not densified. Duplicate row ids
@@ -85,6 +90,16 @@ them exactly):
   is bit for bit that of one variable at a time (tested). On a step where
   any of them refreshes tau, all of them compute their order statistic and
   those not due keep their old tau.
+* Native kernels (an implementation detail, `native=None` by default): on
+  CPU and outside XLA, a variable selected on its own runs lines 2 and 9-11
+  (acc = g + E, the mask, the compaction, the new residual, the selected
+  count) and the finite check in one pass of a C++ kernel
+  (`tf_dct.ops.native`, compiled on first use) instead of about a dozen
+  stock ops, and the order statistic of a refresh (lines 4-5) by an O(n)
+  selection instead of `top_k`; after the all-gather one kernel decodes,
+  sums and counts the non-zeros of each long buffer (line 12). Bit for bit
+  the same results (tested). Without a compiler, on GPU, TPU and under XLA
+  the stock ops run; grouped small variables always do.
 * Index encoding: `index_encoding` ("auto" by default) picks the wire layout
   of positions, see `sparse_wire`; the chunked layouts cut the index bytes
   to 1-2 per slot plus per-chunk counts.
@@ -117,6 +132,7 @@ from tf_dct.compression import accounting
 from tf_dct.compression import error_feedback
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
+from tf_dct.ops import native as native_ops
 
 _check = functools.partial(validation.check_number, "DCTDP")
 
@@ -204,6 +220,11 @@ class DCTDP(Compressor):
       variables are all-reduced as they are (`tf.IndexedSlices` stay sparse
       and are all-gathered) and keep no state, e.g. `("embedding",)` to
       compress only the dense layers, as DCT §3.1 does for DLRM.
+    native: run lines 2 and 9-11 of a variable selected on its own in one
+      native CPU kernel (`tf_dct.ops.native`, built on first use; results
+      bit-identical to stock ops). None (default): when it builds, on CPU
+      and outside XLA; False: never; True: the same, but raise at
+      construction when the kernel cannot be built.
 
   See the module docstring for the exact conventions.
   """
@@ -212,7 +233,8 @@ class DCTDP(Compressor):
                capacity_factor: float = 2.0, min_size: int = 0,
                warmup_steps: int = 0, name: str | None = None,
                density_band: tuple[float, float] | None = (0.5, 2.0),
-               index_encoding: str = "auto", exclude: Sequence[str] = ()):
+               index_encoding: str = "auto", exclude: Sequence[str] = (),
+               native: bool | None = None):
     super().__init__(name=name, exclude=exclude)
     self.sparsity = float(_check("sparsity", sparsity, numbers.Real, 0, True,
                                  1, True))
@@ -228,6 +250,14 @@ class DCTDP(Compressor):
       raise ValueError(f"DCTDP: index_encoding must be 'auto' or one of "
                        f"{sparse_wire.ENCODINGS}, got {index_encoding!r}")
     self.index_encoding = index_encoding
+    if not isinstance(native, (bool, type(None))):
+      raise ValueError(f"DCTDP: native must be None, True or False, got "
+                       f"{native!r}")
+    if native and not native_ops.available():
+      raise RuntimeError("DCTDP: native=True, but the native kernels cannot be "
+                         "built or loaded here (see the logged warning); pass "
+                         "native=None or False to use stock TensorFlow ops")
+    self.native = native
 
   def _is_dense(self, variable) -> bool:
     n = variable.shape.num_elements()
@@ -259,21 +289,34 @@ class DCTDP(Compressor):
 
   def reduce(self, ctx, grads, variables, states):
     grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
+    groups = self._groups(grads, variables, states)
+    native = self._native_positions(groups, grads, variables)
     # No state is read before every gradient of this replica passed the check
-    # (see `error_feedback.checked_reads`).
+    # (see `error_feedback.checked_reads`); the native kernel checks the dense
+    # gradients it reads itself.
     checked, values, dense_items = error_feedback.checked_reads(
-        "DCTDP", grads, variables, states, ("residual", "threshold", "step"))
+        "DCTDP", grads, variables, states, ("residual", "threshold", "step"),
+        checked_by_caller=[i in native and not isinstance(g, tf.IndexedSlices)
+                           for i, g in enumerate(grads)])
     results = [None] * len(grads)
     sparse_items = []   # (position, idx, val, n, shape)
     writes = []         # deferred state updates, one closure per group
     reports = {}        # position -> (record kwargs, warm) of sparse variables
     timing = self.timing_enabled
-    accs = {i: error_feedback.accumulate(g, values[i]["residual"], v)  # DCT Algorithm 1 line 2
-            for i, (g, v, st) in enumerate(zip(checked, variables, states))
-            if st}  # no state: below min_size (or empty), plain dense SUM
+    accs = {}  # no state: below min_size (or empty), plain dense SUM
+    for i, (g, v, st) in enumerate(zip(checked, variables, states)):
+      if not st:
+        continue
+      if i not in native:                                          # DCT Algorithm 1 line 2
+        accs[i] = error_feedback.accumulate(g, values[i]["residual"], v)
+      elif isinstance(g, tf.IndexedSlices):  # the kernel adds nothing more
+        accs[i] = (error_feedback.accumulate(g, values[i]["residual"], v),
+                   tf.zeros([], v.dtype))
+      else:  # the kernel adds the residual (line 2) as it reads
+        accs[i] = (tf.reshape(g, [-1]), tf.reshape(values[i]["residual"], [-1]))
     # One selection-time span for all variables (see `accounting`).
-    start = accounting.start_timer(list(accs.values()), timing)
-    for members in self._groups(accs, variables):
+    start = accounting.start_timer(tf.nest.flatten(list(accs.values())), timing)
+    for members in groups:
       items, dense_parts, write, group_reports = self._sparsify(
           [(accs[i], variables[i], states[i], values[i]) for i in members],
           start)
@@ -283,16 +326,19 @@ class DCTDP(Compressor):
       writes.append(write)
       reports.update(zip(members, group_reports))
     sparse_items.sort(key=lambda item: item[0])
+    sparse_nnz = {}  # position -> non-zeros of its exchanged sum
     if sparse_items:
       first = sparse_items[0][0]
       reports[first][0]["selection_seconds"] = accounting.stop_timer(
           start, [t for _, idx, val, _, _ in sparse_items for t in (idx, val)],
           timing)
-      summed = sparse_wire.exchange_many(  # DCT Algorithm 1 line 12
+      summed, nnzs = sparse_wire.exchange_many(  # DCT Algorithm 1 line 12
           ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items],
-          encoding=self.index_encoding, presorted=True)
-      for (i, _, _, _, shape), flat in zip(sparse_items, summed):
+          encoding=self.index_encoding, presorted=True, nnz=True,
+          use_native=self.native is not False)
+      for (i, _, _, _, shape), flat, nnz in zip(sparse_items, summed, nnzs):
         results[i] = tf.reshape(flat, shape)
+        sparse_nnz[i] = nnz
     self.add_dense_sums(ctx, dense_items, results)
     # State is written only once the collectives completed. Every replica's
     # contribution depends on all of its gradient checks, so when any replica
@@ -301,34 +347,54 @@ class DCTDP(Compressor):
     with tf.control_dependencies(error_feedback.gate(results)):
       for write in writes:
         write()
-    self._report(variables, results, reports)
+    self._report(variables, results, reports, sparse_nnz)
     return results
 
-  def _report(self, variables, results, reports) -> None:
-    """Hands this step's per-variable facts to the accounting of the base."""
+  def _report(self, variables, results, reports, sparse_nnz) -> None:
+    """Hands this step's per-variable facts to the accounting of the base.
+
+    The non-zeros of an exchanged sum are those of the result, unless a
+    warmup's dense part was added to it (then they are counted anew).
+    """
     for i, (v, r) in enumerate(zip(variables, results)):
       if i not in reports:  # dense variable: all-reduced as it is
         self.record_dense(v)
         continue
       report, warm = reports[i]
-      self.record(v, nnz=self.aggregate_nnz(r, warm), **report)
+      nnz = (sparse_nnz[i] if warm is None and i in sparse_nnz
+             else self.aggregate_nnz(r, warm))
+      self.record(v, nnz=nnz, **report)
 
-  def _groups(self, accs: dict, variables) -> list[list[int]]:
+  def _groups(self, grads, variables, states) -> list[list[int]]:
     """Positions of the variables selected together, in variable order.
 
-    Variables of at most `FUSE_SIZE` entries and one dtype form one group;
-    every larger variable is a group of its own (see `FUSE_SIZE`).
+    Variables with state of at most `FUSE_SIZE` entries and one dtype form
+    one group; every larger variable is a group of its own (see
+    `FUSE_SIZE`).
     """
     fused, groups = {}, []
-    for i, acc in accs.items():
-      if variables[i].shape.num_elements() <= FUSE_SIZE:
-        if acc.dtype not in fused:
-          fused[acc.dtype] = []
-          groups.append(fused[acc.dtype])
-        fused[acc.dtype].append(i)
+    for i, (g, v, st) in enumerate(zip(grads, variables, states)):
+      if not st:
+        continue
+      if v.shape.num_elements() <= FUSE_SIZE:
+        if g.dtype not in fused:
+          fused[g.dtype] = []
+          groups.append(fused[g.dtype])
+        fused[g.dtype].append(i)
       else:
         groups.append([i])
     return groups
+
+  def _native_positions(self, groups, grads, variables) -> set[int]:
+    """Variables whose lines 2 and 9-11 run in the native kernel.
+
+    Those selected on their own (a group of one), of float32/float64, placed
+    on a CPU, outside XLA, when the kernel is available and not turned off.
+    """
+    if self.native is False:
+      return set()
+    return {g[0] for g in groups if len(g) == 1
+            and native_ops.usable(grads[g[0]].dtype, variables[g[0]].device)}
 
   def _sparsify(self, group, start):
     """Lines 3-11 for a group of variables of one dtype on this replica.
@@ -343,7 +409,9 @@ class DCTDP(Compressor):
     Args:
       group: `(acc, variable, state, values)` per variable, acc = g + E
         (line 2) as a flat vector, all of one dtype, and `values` the state's
-        step and threshold as read after the gradient checks.
+        step and threshold as read after the gradient checks. A group of one
+        variable for the native kernel has `(g, E)` as flat vectors instead
+        of acc (E may be a scalar 0), and the kernel checks g and adds E.
       start: the step's selection timer (every selection op waits for it).
 
     Returns:
@@ -368,26 +436,45 @@ class DCTDP(Compressor):
 
     k = tf.stack([value["step"] for value in values])
     old_tau = tf.stack([value["threshold"] for value in values])
-    flat = accs[0] if one else tf.concat(accs, 0)
-    with tf.control_dependencies([start] if self.timing_enabled else []):
-      magnitude = tf.abs(flat)
+    timed = [start] if self.timing_enabled else []
+    pair = isinstance(accs[0], tuple)  # native kernel: (g, E), see Args
+    if pair:
+      grad, residual = accs[0]
+      message = f"DCTDP: non-finite gradient for variable {variables[0].name}"
+      dtype = grad.dtype
+    else:
+      flat = accs[0] if one else tf.concat(accs, 0)
+      with tf.control_dependencies(timed):
+        magnitude = tf.abs(flat)
+      dtype = flat.dtype
     # DCT Algorithm 1 line 9, zeros excepted: they carry nothing, and with
     # tau = 0 (fewer than k non-zero entries, e.g. an embedding table whose
     # rows were not touched yet) they would fill the wire in flat order and
     # hold back the non-zero entries behind them until the next refresh.
-    eligible = magnitude > 0
+    eligible = None if pair else magnitude > 0
     warm = warm_entry = None
     if self.warmup_steps:
       warm = k < self.warmup_steps
       warm_entry = per_entry(warm)
-      eligible = tf.logical_and(eligible, tf.logical_not(warm_entry))
+      if not pair:
+        eligible = tf.logical_and(eligible, tf.logical_not(warm_entry))
       refresh = tf.logical_and(
           tf.logical_not(warm),
           (k - self.warmup_steps) % self.threshold_life == 0)
     else:
       refresh = k % self.threshold_life == 0                      # DCT Algorithm 1 line 3
 
+    def select_native(tau):  # (idx, val, new residual, selected) in one pass
+      if warm is not None:  # a warm variable selects nothing: tau = inf
+        tau = tf.where(warm, tf.constant(np.inf, dtype), tau)
+      with tf.control_dependencies(timed):
+        idx, val, new_residual, selected = native_ops.threshold_select(
+            grad, residual, tau[0], caps[0], message)
+      return idx, val, new_residual, selected[None]
+
     def select(tau):  # the mask, its prefix count, selected per variable
+      if pair:
+        return select_native(tau)
       mask = tf.logical_and(magnitude >= per_entry(tau), eligible)
       ends = sparse_wire.prefix_count(mask)
       if one:
@@ -402,7 +489,7 @@ class DCTDP(Compressor):
       low, high = self.density_band
       expected = np.asarray([n - m for n, m in zip(sizes, below)], np.float64)
       old = select(old_tau)
-      reused = tf.cast(old[2], tf.float64)
+      reused = tf.cast(old[-1], tf.float64)  # selected per variable
       early = tf.logical_and(
           tf.logical_not(refresh),
           tf.logical_or(reused < low * expected, reused > high * expected))
@@ -411,11 +498,15 @@ class DCTDP(Compressor):
       refresh = tf.logical_or(refresh, early)
 
     def fresh():  # a new tau for the variables due, the old one for the rest
-      pieces = split(magnitude)
-      # A group of several holds small variables only, so each of them takes
-      # its order statistic (cheap) rather than a branch of its own.
-      tau = tf.stack([order_statistic_threshold(p, m)              # DCT Algorithm 1 lines 4-5
-                      for p, m in zip(pieces, below)])
+      if pair:  # the native kernel's O(n) selection of the same value
+        tau = tf.stack([tf.zeros([], dtype) if below[0] == 0 else
+                        native_ops.order_statistic(grad, residual, below[0],
+                                                   message)])
+      else:
+        # A group of several holds small variables only, so each of them
+        # takes its order statistic (cheap) rather than a branch of its own.
+        tau = tf.stack([order_statistic_threshold(p, m)            # DCT Algorithm 1 lines 4-5
+                        for p, m in zip(split(magnitude), below)])
       if not one:
         tau = tf.where(refresh, tau, old_tau)
       return (tau,) + select(tau)
@@ -425,18 +516,25 @@ class DCTDP(Compressor):
 
     # One branch for the group: a step that keeps every tau (most steps with
     # a long threshold_life) builds no order statistic.
-    tau, mask, ends, selected = tf.cond(tf.reduce_any(refresh), fresh, reuse)
-    idx, val, _, fitted = sparse_wire.compact_segments(flat, mask, ends,
-                                                       sizes, caps)
+    chosen = tf.cond(tf.reduce_any(refresh), fresh, reuse)
+    tau, selected = chosen[0], chosen[-1]
+    if pair:
+      idx, val, new_residual = chosen[1:4]
+    else:
+      mask, ends = chosen[1:3]
+      idx, val, _, fitted = sparse_wire.compact_segments(flat, mask, ends,
+                                                         sizes, caps)
+      # Line 10 sends acc * mask; here only the entries that fit on the wire
+      # are sent, the selected ones that did not fit are kept like
+      # unselected ones.
+      new_residual = tf.where(fitted, tf.zeros_like(flat), flat)  # DCT Algorithm 1 lines 10-11
     count = tf.minimum(selected, caps)
-    zero = tf.zeros_like(flat)
-    # Line 10 sends acc * mask; here only the entries that fit on the wire are
-    # sent, the selected ones that did not fit are kept like unselected ones.
-    new_residual = tf.where(fitted, zero, flat)                    # DCT Algorithm 1 lines 10-11
+    zero = tf.zeros_like(new_residual)
     dense_parts = [None] * len(sizes)
     if warm is not None:  # a dense step sends all n entries, none overflow
+      # A warm variable selected nothing, so its new residual is all of acc.
       dense_parts = [tf.reshape(p, v.shape) for p, v in zip(
-          split(tf.where(warm_entry, flat, zero)), variables)]
+          split(tf.where(warm_entry, new_residual, zero)), variables)]
       new_residual = tf.where(warm_entry, zero, new_residual)
       count = tf.where(warm, sizes, count)
       selected = tf.where(warm, sizes, selected)

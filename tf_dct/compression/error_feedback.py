@@ -77,7 +77,8 @@ def read_checked(deps: Sequence, states: Sequence[dict],
 
 
 def checked_reads(owner: str, grads: Sequence, variables: Sequence,
-                  states: Sequence[dict], keys: Sequence[str]):
+                  states: Sequence[dict], keys: Sequence[str],
+                  checked_by_caller: Sequence[bool] | None = None):
   """One replica's gradient checks and what has to wait for them.
 
   Returns `(checked, values, dense)`: the checked gradients
@@ -87,9 +88,20 @@ def checked_reads(owner: str, grads: Sequence, variables: Sequence,
   waits for the checks, for the dense all-reduce. So everything the replica
   contributes to a collective depends on all of its checks, while the other
   ops of the step wait through their data only.
+
+  `checked_by_caller[i]` True skips the check of gradient i: the caller
+  checks it in the op that first reads it (a native kernel that raises on a
+  non-finite entry, `tf_dct.ops.native`), and everything it contributes
+  depends on that op.
   """
-  checked = check_finite(owner, grads, variables)
-  deps = dependencies(checked)
+  if checked_by_caller is None:
+    checked_by_caller = [False] * len(grads)
+  own = [i for i, done in enumerate(checked_by_caller) if not done]
+  checked = list(grads)
+  for i, g in zip(own, check_finite(owner, [grads[i] for i in own],
+                                    [variables[i] for i in own])):
+    checked[i] = g
+  deps = dependencies([checked[i] for i in own])
   values = read_checked(deps, states, keys)
   with tf.control_dependencies(deps):
     dense = [(i, tf.identity(g)) for i, (g, st)

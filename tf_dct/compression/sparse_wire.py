@@ -55,6 +55,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dct import _private
+from tf_dct.ops import native
 
 # Positions travel as int32, so a vector must have fewer entries than this.
 MAX_SIZE = 2**31 - 1
@@ -544,7 +545,8 @@ BATCH_CAPACITY = 128
 
 def exchange_many(ctx: tf.distribute.ReplicaContext,
                   buffers: Sequence[tuple[tf.Tensor, tf.Tensor, int]],
-                  encoding: str = "auto", presorted: bool = False) -> list:
+                  encoding: str = "auto", presorted: bool = False,
+                  nnz: bool = False, use_native: bool = True) -> list:
   """`exchange` for several vectors with one batched all-gather.
 
   Args:
@@ -555,13 +557,19 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
       `choose_encoding`) or one of `ENCODINGS`.
     presorted: True promises increasing positions with the padding last (the
       layout of `compact`); otherwise a chunked layout sorts them first.
+    nnz: also count the non-zero entries of each sum.
+    use_native: False keeps to stock ops even where the native kernel could
+      run (`TF_DCT_NATIVE=0` turns it off everywhere).
 
   Returns:
-    Per vector, the dense length-n sum over replicas (same on every replica).
+    Per vector, the dense length-n sum over replicas (same on every replica);
+    with `nnz`, a pair `(sums, counts)`, counts[v] = int64 non-zero entries
+    of sums[v]. On CPU the long vectors' sums and counts come from one native
+    kernel (`tf_dct.ops.native.scatter_sum`), bit-identical to the stock ops.
   """
   buffers = list(buffers)
   if not buffers:
-    return []
+    return ([], []) if nnz else []
   encs, idxs, vals = [], [], []
   for idx, val, n in buffers:
     enc = make_encoding(encoding, n, idx.shape[0])
@@ -613,6 +621,7 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     return piece if w == dtype else tf.bitcast(piece, dtype)
 
   out = [None] * len(buffers)
+  counts = [None] * len(buffers)  # non-zeros, where a kernel counted them
   if short:
     idx = layout.decode(rows[tf.int32][:, words_at[0]:words_at[0] + layout.words])
     slot_at = np.cumsum([0] + [encs[v].capacity for v in short])
@@ -634,11 +643,20 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   for i, v in enumerate(long):
     enc = encs[v]
     w_at = words_at[i + (1 if short else 0)]
-    idx = tf.reshape(decode_indices(rows[tf.int32][:, w_at:w_at + enc.words],
-                                    enc), [-1])  # every replica at once
-    val = tf.reshape(take(long_vals[i], enc.capacity, vals[v].dtype), [-1])
-    out[v] = scatter_sum(idx, val, enc.n)
-  return out
+    words = rows[tf.int32][:, w_at:w_at + enc.words]
+    val = take(long_vals[i], enc.capacity, vals[v].dtype)
+    if use_native and native.usable(val.dtype, val.device):
+      # Decode, scatter-add and count in one kernel.
+      out[v], counts[v] = native.scatter_sum(
+          words, val, enc.n, chunk=enc.chunk, count_bytes=enc.count_bytes,
+          offset_bytes=enc.offset_bytes, count_words=enc.count_words)
+    else:
+      idx = decode_indices(words, enc)  # every replica at once
+      out[v] = scatter_sum(tf.reshape(idx, [-1]), tf.reshape(val, [-1]), enc.n)
+  if not nnz:
+    return out
+  return out, [tf.math.count_nonzero(o, dtype=tf.int64) if c is None else c
+               for o, c in zip(out, counts)]
 
 
 def exchange(ctx: tf.distribute.ReplicaContext, idx: tf.Tensor, val: tf.Tensor,

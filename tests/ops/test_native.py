@@ -1,0 +1,231 @@
+"""tf_dct.ops.native: the one-pass DCT-DP kernel against a numpy reference."""
+
+import os
+from unittest import mock
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+
+from tf_dct.compression import dct_dp
+from tf_dct.compression import sparse_wire
+from tf_dct.ops import native
+from tests import util
+
+
+def setUpModule():
+  util.setup_cpus()  # before any op, like every module of the suite
+
+
+def require_native(test):
+  """Skips `test` when the kernel cannot be built here; under CI it fails."""
+  if native.available():
+    return
+  if os.environ.get("CI") == "true":
+    test.fail("tf_dct native kernels did not build (see the logged warning)")
+  test.skipTest("no native kernels here (no C++ compiler?)")
+
+
+def reference(grad, residual, tau, capacity):
+  """numpy DCT Algorithm 1 lines 2 and 9-11 with the wire's capacity."""
+  acc = grad + residual
+  mask = (np.abs(acc) >= tau) & (acc != 0)
+  positions = np.flatnonzero(mask)
+  sent = positions[:capacity]
+  idx = np.full(capacity, grad.size, np.int32)
+  val = np.zeros(capacity, grad.dtype)
+  idx[:sent.size] = sent
+  val[:sent.size] = acc[sent]
+  new_residual = acc.copy()
+  new_residual[sent] = 0
+  return idx, val, new_residual, positions.size
+
+
+class ThresholdSelectTest(tf.test.TestCase, parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    require_native(self)
+
+  @parameterized.named_parameters(
+      ("float32_room", np.float32, 200, 40),
+      ("float32_overflow", np.float32, 200, 5),
+      ("float64", np.float64, 300, 12),
+      ("capacity_n", np.float32, 7, 7))
+  def test_matches_reference(self, dtype, n, capacity):
+    rng = np.random.default_rng(n)
+    grad = np.round(rng.normal(size=n) * 4).astype(dtype) / 4  # ties, zeros
+    residual = np.round(rng.normal(size=n) * 4).astype(dtype) / 8
+    residual[:3] = -grad[:3]  # acc exactly 0: never selected, even at tau 0
+    for tau in (0.0, 0.5, 1.25, 100.0):
+      got = native.threshold_select(tf.constant(grad), tf.constant(residual),
+                                    tf.constant(tau, dtype), capacity, "m")
+      want = reference(grad, residual, dtype(tau), capacity)
+      for g, w, name in zip(got, want, ("idx", "val", "residual", "selected")):
+        self.assertAllEqual(g, w, msg=f"{name} tau {tau}")
+      self.assertEqual(got[1].dtype, dtype)
+
+  def test_scalar_residual_is_added_to_every_entry(self):
+    grad = np.array([0.5, -2.0, 3.0, 0.0], np.float32)
+    got = native.threshold_select(tf.constant(grad), tf.constant(1.0),
+                                  tf.constant(2.0), 2, "m")
+    want = reference(grad, np.float32(1.0), np.float32(2.0), 2)
+    for g, w in zip(got, want):
+      self.assertAllEqual(g, w)
+
+  @parameterized.named_parameters(("nan", np.nan, "NaN"), ("inf", -np.inf, "Inf"))
+  def test_non_finite_gradient_raises_with_the_message(self, bad, kind):
+    grad = np.array([1.0, bad, 2.0], np.float32)
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                f"DCTDP: bad gradient w : Tensor had {kind}"):
+      native.threshold_select(tf.constant(grad), tf.zeros([3]),
+                              tf.constant(1.0), 2, "DCTDP: bad gradient w")
+
+  def test_bad_shapes_raise(self):
+    with self.assertRaisesRegex((ValueError, tf.errors.InvalidArgumentError),
+                                "rank"):
+      native.threshold_select(tf.zeros([2, 2]), tf.zeros([4]),
+                              tf.constant(1.0), 2, "m")
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "residual must have 4 entries or one"):
+      native.threshold_select(tf.zeros([4]), tf.zeros([3]),
+                              tf.constant(1.0), 2, "m")
+
+
+class OrderStatisticTest(tf.test.TestCase, parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    require_native(self)
+
+  @parameterized.named_parameters(("float32", np.float32), ("float64", np.float64))
+  def test_equals_top_k_order_statistic_with_ties(self, dtype):
+    rng = np.random.default_rng(2)
+    grad = (np.round(rng.normal(size=500) * 3) / 3).astype(dtype)  # many ties
+    residual = (np.round(rng.normal(size=500) * 3) / 6).astype(dtype)
+    for m in (1, 7, 250, 499):
+      got = native.order_statistic(tf.constant(grad), tf.constant(residual), m,
+                                   "m")
+      want = dct_dp.order_statistic_threshold(
+          tf.abs(tf.constant(grad) + tf.constant(residual)), m)
+      self.assertEqual(got.dtype, dtype)
+      self.assertEqual(float(got), float(want), msg=f"m {m}")
+      self.assertEqual(float(got), np.sort(np.abs(grad + residual))[m])
+    scalar = native.order_statistic(tf.constant(grad), tf.constant(dtype(0.5)),
+                                    3, "m")
+    self.assertEqual(float(scalar), np.sort(np.abs(grad + dtype(0.5)))[3])
+
+  def test_non_finite_and_bad_m_raise(self):
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "bad w : Tensor had NaN"):
+      native.order_statistic(tf.constant([1.0, np.nan, 2.0]), tf.zeros([3]), 1,
+                             "bad w")
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "m must be below 3"):
+      native.order_statistic(tf.zeros([3]), tf.zeros([3]), 3, "m")
+
+
+class ScatterSumTest(tf.test.TestCase, parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    require_native(self)
+
+  def _layout(self, enc):
+    return dict(chunk=enc.chunk, count_bytes=enc.count_bytes,
+                offset_bytes=enc.offset_bytes, count_words=enc.count_words)
+
+  @parameterized.named_parameters(
+      ("int32_float32", "int32", np.float32, 300, 40),
+      ("chunk8_float32", "chunk8", np.float32, 1000, 60),
+      ("chunk8_wide_counts", "chunk8", np.float32, 3000, 300),  # 2-byte counts
+      ("chunk16_float64", "chunk16", np.float64, 70000, 50))
+  def test_matches_stock_decode_scatter_and_count(self, name, dtype, n, cap):
+    enc = sparse_wire.make_encoding(name, n, cap)
+    rng = np.random.default_rng(n)
+    words, vals, positions = [], [], []
+    for r in range(4):
+      used = cap - 3 * r  # some padding, more on later replicas
+      pos = np.sort(rng.choice(n, size=used, replace=False))
+      pos[: 2] = [0, 1]  # shared by every replica: duplicates across them
+      pos = np.sort(np.unique(pos))
+      idx = np.full(cap, n, np.int32)
+      idx[:pos.size] = pos
+      val = rng.normal(size=cap).astype(dtype)
+      val[pos.size:] = 0
+      words.append(sparse_wire.encode_indices(tf.constant(idx), enc))
+      vals.append(val)
+      positions.append(idx)
+    vals[3][1] = -vals[2][1] - vals[1][1] - vals[0][1]  # may cancel at 1
+    words, vals = tf.stack(words), np.stack(vals)
+    dense, nnz = native.scatter_sum(words, tf.constant(vals), n,
+                                    **self._layout(enc))
+    decoded = sparse_wire.decode_indices(words, enc)
+    self.assertAllEqual(decoded, np.stack(positions))
+    want = sparse_wire.scatter_sum(tf.reshape(decoded, [-1]), vals.ravel(), n)
+    self.assertAllEqual(np.signbit(dense), np.signbit(want))
+    self.assertAllEqual(dense, want)  # bit for bit: same order of additions
+    self.assertEqual(nnz.dtype, tf.int64)
+    self.assertEqual(int(nnz), int(tf.math.count_nonzero(want)))
+
+  def test_zeros_and_negative_zero_are_not_counted(self):
+    words = tf.constant([[3, 3, 5, 9], [5, 1, 9, 9]], tf.int32)  # 9: padding
+    val = tf.constant([[2.0, -2.0, -0.0, 7.0], [-0.0, 1.0, 0.0, 0.0]])
+    dense, nnz = native.scatter_sum(words, val, 9)
+    self.assertAllEqual(dense, [0, 1, 0, 0, 0, 0, 0, 0, 0])
+    self.assertFalse(np.signbit(dense[5]))  # +0 + -0 + -0 is +0
+    self.assertEqual(int(nnz), 1)
+
+  def test_bad_shapes_raise(self):
+    with self.assertRaisesRegex((ValueError, tf.errors.InvalidArgumentError),
+                                "rank|replicas"):
+      native.scatter_sum(tf.zeros([3], tf.int32), tf.zeros([3]), 10)
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "words per replica"):
+      native.scatter_sum(tf.zeros([2, 3], tf.int32), tf.zeros([2, 4]), 10)
+
+
+class LibraryTest(tf.test.TestCase):
+
+  def _fresh(self):
+    return mock.patch.dict(native._loaded, clear=True)  # pylint: disable=protected-access
+
+  def test_switched_off_builds_nothing(self):
+    with self._fresh(), mock.patch.dict(os.environ, {native.ENV_SWITCH: "0"}), \
+        mock.patch.object(native, "build") as build:
+      self.assertIsNone(native.library())
+      self.assertFalse(native.available())
+      build.assert_not_called()
+    with self.assertRaisesRegex(RuntimeError, "unavailable"), \
+        mock.patch.dict(os.environ, {native.ENV_SWITCH: "off"}):
+      native.threshold_select(tf.zeros([2]), tf.zeros([2]), tf.constant(1.0),
+                              1, "m")
+
+  def test_failed_build_warns_once_and_falls_back(self):
+    cache = self.create_tempdir().full_path
+    env = {native.ENV_CACHE: cache, "CXX": "no-such-compiler-tf-dct"}
+    with self._fresh(), mock.patch.dict(os.environ, env), \
+        self.assertLogs(level="WARNING") as logs:
+      self.assertIsNone(native.library())
+      self.assertIsNone(native.library())  # remembered, not retried
+    self.assertLen(logs.records, 1)
+    self.assertIn("no-such-compiler-tf-dct", logs.output[0])
+    self.assertEqual(os.listdir(cache), [])  # no half-built file left
+
+  def test_builds_into_the_cache_keyed_by_source_and_tensorflow(self):
+    require_native(self)
+    cache = self.create_tempdir().full_path
+    with mock.patch.dict(os.environ, {native.ENV_CACHE: cache}):
+      path = native.library_path()
+      self.assertStartsWith(path, cache)
+      # Built, not loaded: a second copy of the kernels in this process
+      # would register them twice.
+      native.build(path)
+      self.assertEqual(os.listdir(cache), [os.path.basename(path)])
+      self.assertGreater(os.path.getsize(path), 0)
+      with mock.patch.object(tf, "__version__", "0.0.0"):
+        self.assertNotEqual(native.library_path(), path)
+
+
+if __name__ == "__main__":
+  tf.test.main()

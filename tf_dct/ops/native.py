@@ -1,0 +1,220 @@
+"""Native CPU kernels for the compressors' hot loops, built on first use.
+
+DCT-DP with stock TensorFlow ops passes over every entry of a variable about
+a dozen times per step (add, abs, two compares, a prefix count, a compaction,
+a select, the finite check), each pass an op with its own dispatch.
+`threshold_select` does DCT Algorithm 1 lines 2 and 9-11 and the finite check
+in one pass, `order_statistic` the threshold of lines 4-5 in O(n), and
+`scatter_sum` the dense sum of every replica's packed entries
+(line 12) with its non-zero count, which the accounting needs
+(kernels/sparse_kernels.cc). Results are bit-identical to the stock ops.
+
+No wheel ships it: the source is compiled the first time it is needed, with
+the C++ compiler of the machine (`$CXX`, else `g++`) and the flags of the
+installed TensorFlow (`tf.sysconfig`), into a cache directory
+(`$TF_DCT_CACHE`, else `~/.cache/tf_dct`), keyed by the source, the
+TensorFlow version and the flags. That takes about 10 s once per machine.
+When no compiler is found or the build fails, `library()` logs one warning
+and returns None, and the callers use stock ops. `TF_DCT_NATIVE=0` turns the
+kernels off without trying to build them.
+
+Only CPU kernels exist: on GPU, TPU and under XLA (`jit_compile=True`) the
+callers use stock ops, which XLA can compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+from absl import logging
+import tensorflow as tf
+
+from tf_dct import _private
+
+ENV_SWITCH = "TF_DCT_NATIVE"   # "0": never build or use the native kernels
+ENV_CACHE = "TF_DCT_CACHE"     # where the built library is kept
+_SOURCE = os.path.join(os.path.dirname(__file__), "kernels",
+                       "sparse_kernels.cc")
+_BUILD_TIMEOUT_S = 600
+
+_lock = threading.Lock()
+_loaded = {}  # "lib" -> the loaded module, or None after a failed build
+
+
+def switched_off() -> bool:
+  """Whether `TF_DCT_NATIVE=0` (or "false", "no", "off") is set."""
+  return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "false", "no",
+                                                            "off")
+
+
+def _flags() -> list[str]:
+  return (["-std=c++17", "-shared", "-fPIC", "-O2",
+           # Keep a + b a separate rounding, as TensorFlow's add kernel does.
+           "-ffp-contract=off", "-Wno-deprecated-declarations"]
+          + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
+
+
+def library_path() -> str:
+  """Where the library for this source, TensorFlow and flags is cached."""
+  key = hashlib.sha256()
+  with open(_SOURCE, "rb") as f:
+    key.update(f.read())
+  key.update(tf.__version__.encode())
+  key.update(" ".join(_flags()).encode())
+  cache = os.environ.get(ENV_CACHE) or os.path.join(
+      os.path.expanduser("~"), ".cache", "tf_dct")
+  return os.path.join(cache, f"sparse_kernels-{key.hexdigest()[:16]}.so")
+
+
+def build(path: str) -> None:
+  """Compiles the kernels into `path` (atomically: a temp file, then rename).
+
+  Raises:
+    RuntimeError: no compiler, or the compiler failed (its output included).
+  """
+  compiler = shutil.which(os.environ.get("CXX", "g++"))
+  if compiler is None:
+    raise RuntimeError(f"no C++ compiler found (looked for "
+                       f"{os.environ.get('CXX', 'g++')!r}; set $CXX)")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+  os.close(fd)
+  try:
+    done = subprocess.run([compiler, _SOURCE, "-o", tmp] + _flags(),
+                          capture_output=True, text=True,
+                          timeout=_BUILD_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+      raise RuntimeError(f"{compiler} failed ({done.returncode}):\n"
+                         f"{done.stderr[-4000:]}")
+    os.replace(tmp, path)  # concurrent builders: the last complete one wins
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def library():
+  """The loaded native op library, or None (switched off, or no build).
+
+  Builds it on the first call when the cache has none. A failure is logged
+  once and remembered for the process.
+  """
+  if switched_off():
+    return None
+  with _lock:
+    if "lib" not in _loaded:
+      _loaded["lib"] = None
+      try:
+        path = library_path()
+        if not os.path.exists(path):
+          logging.info("tf_dct: building native kernels into %s", path)
+          build(path)
+        _loaded["lib"] = tf.load_op_library(path)
+      except (OSError, RuntimeError, subprocess.SubprocessError,
+              tf.errors.OpError) as e:
+        logging.warning("tf_dct: native kernels unavailable, using stock "
+                        "TensorFlow ops (slower on CPU): %s", e)
+    return _loaded["lib"]
+
+
+def available() -> bool:
+  """Whether the kernels can run (builds the library if needed)."""
+  return library() is not None
+
+
+def usable(dtype: tf.DType, device: str | None) -> bool:
+  """Whether ops of `dtype` placed on `device` can use the kernels now.
+
+  float32/float64 on a CPU (or an unplaced op), outside XLA, with the
+  library available (built here if needed).
+  """
+  if switched_off() or dtype not in (tf.float32, tf.float64):
+    return False
+  if tf.DeviceSpec.from_string(device or "").device_type not in (None, "CPU"):
+    return False
+  return not _private.in_xla_context() and available()
+
+
+def _lib():
+  lib = library()
+  if lib is None:
+    raise RuntimeError("tf_dct native kernels are unavailable (see the "
+                       "warning logged by tf_dct.ops.native.library)")
+  return lib
+
+
+def threshold_select(grad: tf.Tensor, residual: tf.Tensor, tau: tf.Tensor,
+                     capacity: int, message: str):
+  """DCT Algorithm 1 lines 2 and 9-11 of one variable in one CPU pass.
+
+  Args:
+    grad: rank-1 float32/float64 gradient of n < 2^31 - 1 entries.
+    residual: the error-feedback residual (n entries), or a scalar added to
+      every entry (0 when `grad` is already the accumulator).
+    tau: scalar threshold.
+    capacity: wire slots, a Python int >= 1.
+    message: the error when an entry of `grad` is not finite
+      (InvalidArgumentError, as `tf.debugging.check_numerics` raises).
+
+  Returns:
+    `(idx, val, new_residual, selected)`, exactly what
+    `sparse_wire.compact` and DCT-DP's stock path give for acc = grad +
+    residual and the mask |acc| >= tau, acc != 0: int32[capacity] positions
+    (padding n), values[capacity] (padding 0), acc with the packed entries
+    zeroed, and the int32 count selected before the capacity cut.
+
+  Raises:
+    RuntimeError: the native library is unavailable (see `library`).
+  """
+  return _lib().tf_dct_threshold_select(grad, residual, tau,
+                                        capacity=capacity, message=message)
+
+
+def order_statistic(grad: tf.Tensor, residual: tf.Tensor, m: int,
+                    message: str) -> tf.Tensor:
+  """w_m, the m-th smallest (0-based) of |grad + residual|, in O(n).
+
+  The value `dct_dp.order_statistic_threshold(tf.abs(grad + residual), m)`
+  computes with `top_k` for m > 0, ties included (an nth_element on a copy).
+
+  Args:
+    grad: rank-1 float32/float64 of n entries.
+    residual: n entries, or a scalar added to every entry.
+    m: a Python int, 0 <= m < n.
+    message: the error when an entry of `grad` is not finite (as in
+      `threshold_select`).
+
+  Raises:
+    RuntimeError: the native library is unavailable (see `library`).
+  """
+  return _lib().tf_dct_order_statistic(grad, residual, m=m, message=message)
+
+
+def scatter_sum(words: tf.Tensor, val: tf.Tensor, n: int, chunk: int = 0,
+                count_bytes: int = 0, offset_bytes: int = 4,
+                count_words: int = 0):
+  """Decodes every replica's index words, sums the values, counts non-zeros.
+
+  Args:
+    words: int32[r, w] index words per replica, in a layout of
+      `sparse_wire` ("int32": the positions themselves, padding n).
+    val: float32/float64[r, capacity] values per replica.
+    n: the dense length, a Python int >= 1.
+    chunk, count_bytes, offset_bytes, count_words: the layout
+      (`sparse_wire.Encoding`); chunk 0 means "int32".
+
+  Returns:
+    `(dense, nnz)`: bit for bit `sparse_wire.scatter_sum` of the decoded
+    positions (`decode_indices`) and values, replicas in order (each position
+    sums in slot order from +0), and `tf.math.count_nonzero(dense)` as int64.
+
+  Raises:
+    RuntimeError: the native library is unavailable (see `library`).
+  """
+  return _lib().tf_dct_scatter_sum(
+      words, val, n=n, chunk=chunk, count_bytes=count_bytes,
+      offset_bytes=offset_bytes, count_words=count_words)
