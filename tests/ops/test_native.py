@@ -115,6 +115,27 @@ class OrderStatisticTest(tf.test.TestCase, parameterized.TestCase):
                                     3, "m")
     self.assertEqual(float(scalar), np.sort(np.abs(grad + dtype(0.5)))[3])
 
+  def test_extreme_spreads(self):
+    rng = np.random.default_rng(3)
+    cases = {
+        "all_equal": np.full(300, -0.75, np.float32),        # one bucket
+        "decades": (rng.choice([-1, 1], 400) * 10.0 ** rng.uniform(
+            -30, 30, 400)).astype(np.float32),               # many buckets
+        # 0 and subnormals, which TensorFlow's CPU threads flush to zero
+        # (the stock op too, so only the stock op is the reference here).
+        "zeros_and_tiny": np.concatenate([np.zeros(200), np.full(
+            50, 1e-45), np.full(5, 1e-30)]).astype(np.float32),
+    }
+    for name, grad in cases.items():
+      for m in (1, grad.size // 2, grad.size - 1):
+        got = native.order_statistic(tf.constant(grad), tf.zeros([]), m, "m")
+        # acc = g + E, as DCT-DP's stock path computes it (the add flushes).
+        want = dct_dp.order_statistic_threshold(
+            tf.abs(tf.constant(grad) + tf.zeros_like(grad)), m)
+        self.assertEqual(float(got), float(want), msg=f"{name} m {m}")
+        if name != "zeros_and_tiny":
+          self.assertEqual(float(got), np.sort(np.abs(grad))[m])
+
   def test_non_finite_and_bad_m_raise(self):
     with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
                                 "bad w : Tensor had NaN"):

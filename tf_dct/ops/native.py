@@ -179,7 +179,9 @@ def order_statistic(grad: tf.Tensor, residual: tf.Tensor, m: int,
   """w_m, the m-th smallest (0-based) of |grad + residual|, in O(n).
 
   The value `dct_dp.order_statistic_threshold(tf.abs(grad + residual), m)`
-  computes with `top_k` for m > 0, ties included (an nth_element on a copy).
+  computes with `top_k` for m > 0, ties included: one pass counts the
+  magnitudes by the top bits of their bit patterns, a second gathers the
+  bucket that holds rank m for an `nth_element`.
 
   Args:
     grad: rank-1 float32/float64 of n entries.

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -287,10 +288,15 @@ REGISTER_OP("TfDctOrderStatistic")
     });
 
 // w_m, the m-th smallest (0-based) of |grad + residual| (DCT Algorithm 1
-// lines 4-5): std::nth_element on a copy, O(n) on average, where top_k of
-// k = n - m is O(n log k). The value is the same, ties included. A
+// lines 4-5), in O(n): non-negative floats order like their bit patterns, so
+// one pass counts the magnitudes by their top kBucketBits bits, the bucket
+// holding rank m is found from the counts, and a second pass gathers that
+// bucket (the magnitudes recomputed, the same bits) for std::nth_element.
+// top_k of k = n - m finds the same value, ties included, in O(n log k). A
 // non-finite entry of grad fails the op with `message`, as in
 // TfDctThresholdSelect (and keeps NaN away from the comparisons).
+constexpr int kBucketBits = 12;
+
 template <typename T>
 class OrderStatisticOp : public OpKernel {
  public:
@@ -309,22 +315,42 @@ class OrderStatisticOp : public OpKernel {
     const bool scalar = residual.NumElements() == 1 && n != 1;
     const T* g = grad.flat<T>().data();
     const T* r = residual.flat<T>().data();
-    std::vector<T> magnitude(n);
+    using Bits = typename std::conditional<sizeof(T) == 4, uint32_t,
+                                           uint64_t>::type;
+    constexpr int kShift = 8 * sizeof(Bits) - kBucketBits;
+    const auto magnitude = [&](int64_t i) {
+      return std::fabs(g[i] + (scalar ? r[0] : r[i]));
+    };
+    const auto bucket = [](T value) {
+      Bits bits;
+      std::memcpy(&bits, &value, sizeof(bits));
+      return static_cast<int64_t>(bits >> kShift);
+    };
+    std::vector<int64_t> count(int64_t{1} << kBucketBits, 0);
     bool finite = true, nan = false;
     for (int64_t i = 0; i < n; ++i) {
       finite &= (g[i] - g[i] == T(0));  // false for NaN and +-Inf
       nan |= (g[i] != g[i]);
-      magnitude[i] = std::fabs(g[i] + (scalar ? r[0] : r[i]));
+      ++count[bucket(magnitude(i))];
     }
     if (!finite) {
       ctx->CtxFailure(InvalidArgument(message_, " : Tensor had ",
                                       (nan ? "NaN" : "Inf"), " values"));
       return;
     }
-    std::nth_element(magnitude.begin(), magnitude.begin() + m_, magnitude.end());
+    int64_t target = 0, below = 0;  // the bucket of rank m, entries before it
+    while (below + count[target] <= m_) below += count[target++];
+    std::vector<T> members;
+    members.reserve(count[target]);
+    for (int64_t i = 0; i < n; ++i) {
+      const T value = magnitude(i);
+      if (bucket(value) == target) members.push_back(value);
+    }
+    std::nth_element(members.begin(), members.begin() + (m_ - below),
+                     members.end());
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<T>()() = magnitude[m_];
+    out->scalar<T>()() = members[m_ - below];
   }
 
  private:
