@@ -193,6 +193,38 @@ class ReadCheckedTest(parameterized.TestCase, tf.test.TestCase):
       self.assertLen(read.control_inputs[0].control_inputs, 3)
     self.assertEqual(seen["acc"].control_inputs, [])  # waits through its data
 
+  def test_gradients_checked_by_the_caller_are_skipped(self):
+    seen = {}
+
+    @tf.function
+    def fn(grads):
+      checked, values, dense = error_feedback.checked_reads(
+          "t", grads, variables, states, ("residual",),
+          checked_by_caller=[True, False, False])
+      seen["checked"] = checked
+      seen["read"] = values[0]["residual"].op
+      seen["dense"] = dense
+      return checked[0] + values[0]["residual"]
+
+    variables = [tf.Variable(tf.zeros([2]), name=f"v{i}") for i in range(3)]
+    states = [{"residual": _State([1.0, 2.0])}, {}, {"residual": _State([0.0, 0.0])}]
+    # The NaN of gradient 0 passes: its caller checks it (a native kernel).
+    out = fn([tf.constant([np.nan, 1.0]), tf.constant([1.0, 1.0]),
+              tf.constant([2.0, 2.0])])
+    self.assertTrue(np.isnan(out[0]))
+    self.assertEqual(seen["checked"][0].op.type, "Placeholder")  # unchecked
+    self.assertEqual([c.op.type for c in seen["checked"][1:]],
+                     ["CheckNumerics", "CheckNumerics"])
+    read = seen["read"] if seen["read"].type == "ReadVariableOp" else (
+        seen["read"].inputs[0].op)
+    gate = read.control_inputs[0]  # the reads still wait for the other checks
+    self.assertCountEqual([c.type for c in gate.control_inputs],
+                          ["CheckNumerics", "CheckNumerics"])
+    self.assertEqual([i for i, _ in seen["dense"]], [1])
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "t: non-finite"):
+      fn([tf.constant([1.0, 1.0]), tf.constant([np.inf, 1.0]),
+          tf.constant([2.0, 2.0])])
+
   def test_non_finite_gradient_raises_before_the_read(self):
     state = {"residual": _State([1.0])}
     variables = [tf.Variable([0.0], name="w")]
