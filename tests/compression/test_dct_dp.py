@@ -10,6 +10,7 @@ import tensorflow as tf
 import tf_dct
 from tf_dct.compression import DCTDP
 from tf_dct.compression import dct_dp
+from tf_dct.compression import sparse_wire
 from tests import conservation
 from tests import util
 from tests.compression import harness
@@ -340,7 +341,11 @@ class NativeTest(tf.test.TestCase, parameterized.TestCase):
       ("no_guard_overflow", dict(density_band=None, capacity_factor=1.0)))
   def test_native_equals_stock(self, extra):
     test_native.require_native(self)
-    shapes = [(6, 5), (17,), (40,)]
+    # (700,): more wire slots than sparse_wire.BATCH_CAPACITY, so its sums
+    # also come from the native decode-scatter-count kernel.
+    shapes = [(6, 5), (17,), (40,), (700,)]
+    self.assertGreater(dct_dp.capacity(700, 0.7, 1.0),
+                       sparse_wire.BATCH_CAPACITY)
     grads = harness.gradients(9, 2, seed=7, shapes=shapes)
     for t, step in enumerate(grads):  # a drifting scale: early refreshes
       for g in step:
@@ -359,6 +364,9 @@ class NativeTest(tf.test.TestCase, parameterized.TestCase):
       runs[native] = (history, compressor.communication_stats(), kinds)
     self.assertFalse("TfDctThresholdSelect" in runs[False][2])
     self.assertTrue("TfDctThresholdSelect" in runs[True][2])
+    self.assertTrue("TfDctScatterSum" in runs[True][2])
+    self.assertTrue("TfDctOrderStatistic" in runs[True][2])
+    self.assertFalse("TfDctScatterSum" in runs[False][2])
     # The kernel checks the gradients it reads: no CheckNumerics left.
     self.assertTrue("CheckNumerics" in runs[False][2])
     self.assertFalse("CheckNumerics" in runs[True][2])

@@ -9,6 +9,7 @@ import tensorflow as tf
 import tf_dct
 from tf_dct.compression import sparse_wire
 from tests import util
+from tests.ops import test_native
 
 
 def setUpModule():
@@ -240,6 +241,68 @@ class ExchangeTest(tf.test.TestCase):
         self.assertEqual(many[t].dtype, dtype.as_numpy_dtype)
         self.assertAllClose(many[t], want, atol=1e-6, rtol=0)
         self.assertAllEqual(many[t], single[t])
+
+  def test_long_buffers_native_and_stock_agree_bit_for_bit(self):
+    # Buffers above BATCH_CAPACITY go one by one: on CPU through the native
+    # decode-scatter-count kernel, else through decode_indices + scatter_sum.
+    test_native.require_native(self)
+    replicas = 2
+    rng = np.random.default_rng(8)
+    specs = [(3000, 200, tf.float32, "chunk8"), (900, 150, tf.float32, "int32"),
+             (70000, 300, tf.float64, "chunk16"), (5000, 140, tf.float32, "auto")]
+    self.assertTrue(all(cap > sparse_wire.BATCH_CAPACITY for _, cap, _, _ in specs))
+    data = []
+    for r in range(replicas):
+      per = []
+      for n, cap, dtype, _ in specs:
+        used = cap - 7 * r  # padding on the second replica
+        idx = np.full(cap, n, np.int32)
+        idx[:used] = np.sort(rng.choice(n, used, replace=False))
+        val = rng.normal(size=cap).astype(dtype.as_numpy_dtype)
+        val[used:] = 0
+        per.append((idx, val))
+      data.append(per)
+    data[1][0][0][:3] = data[0][0][0][:3]  # shared positions ...
+    data[1][0][1][:3] = -data[0][0][1][:3]  # ... that cancel to exact zeros
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
+
+    def fn(use_native, encoding):
+      ctx = tf.distribute.get_replica_context()
+      r = tf.get_static_value(ctx.replica_id_in_sync_group)
+      outs = []
+      for (i, v), (n, _, _, enc) in zip(data[r], specs):
+        outs.append(sparse_wire.exchange_many(
+            ctx, [(tf.constant(i), tf.constant(v), n)],
+            encoding=encoding or enc, presorted=True, nnz=True,
+            use_native=use_native))
+      return outs
+
+    runs = {}
+    for use_native in (True, False):
+      step = tf.function(lambda u=use_native: repl.run(fn, args=(u, None)))
+      graph = step.get_concrete_function().graph.as_graph_def()
+      self.assertEqual(any(node.op == "TfDctScatterSum" for node in graph.node),
+                       use_native)
+      runs[use_native] = util.local(repl, step())
+    for r in range(replicas):
+      for t, (n, _, dtype, _) in enumerate(specs):
+        (fast, fast_nnz), (slow, slow_nnz) = (runs[True][r][t],
+                                              runs[False][r][t])
+        want = np.zeros(n, dtype.as_numpy_dtype)
+        for q in range(replicas):
+          np.add.at(want, data[q][t][0][data[q][t][0] < n],
+                    data[q][t][1][data[q][t][0] < n])
+        self.assertAllEqual(fast[0], slow[0])
+        self.assertAllClose(fast[0], want, atol=1e-6, rtol=0)
+        self.assertEqual(int(fast_nnz[0]), int(slow_nnz[0]))
+        self.assertEqual(int(fast_nnz[0]), np.count_nonzero(slow[0]))
+    # The cancelled positions are exact zeros and not counted.
+    shared = data[0][0][0][:3]
+    union = set(data[0][0][0][data[0][0][0] < 3000]) | set(
+        data[1][0][0][data[1][0][0] < 3000])
+    sums, counts = runs[True][0][0]
+    self.assertAllEqual(sums[0][shared], np.zeros(3))
+    self.assertEqual(int(counts[0]), len(union) - 3)
 
   def test_compiles_with_xla_on_one_replica(self):
     repl = tf_dct.Replicator(["/cpu:0"], jit_compile=True)
