@@ -220,11 +220,11 @@ class DCTDP(Compressor):
       variables are all-reduced as they are (`tf.IndexedSlices` stay sparse
       and are all-gathered) and keep no state, e.g. `("embedding",)` to
       compress only the dense layers, as DCT §3.1 does for DLRM.
-    native: run lines 2 and 9-11 of a variable selected on its own in one
-      native CPU kernel (`tf_dct.ops.native`, built on first use; results
-      bit-identical to stock ops). None (default): when it builds, on CPU
-      and outside XLA; False: never; True: the same, but raise at
-      construction when the kernel cannot be built.
+    native: use the native CPU kernels (`tf_dct.ops.native`, built on first
+      use; results bit-identical to stock ops) for the variables selected on
+      their own (lines 2-11) and the long wire buffers (line 12). None
+      (default): when they build, on CPU and outside XLA; False: never;
+      True: the same, but raise at construction when they cannot be built.
 
   See the module docstring for the exact conventions.
   """
@@ -440,7 +440,7 @@ class DCTDP(Compressor):
     pair = isinstance(accs[0], tuple)  # native kernel: (g, E), see Args
     if pair:
       grad, residual = accs[0]
-      message = f"DCTDP: non-finite gradient for variable {variables[0].name}"
+      message = error_feedback.non_finite_message("DCTDP", variables[0])
       dtype = grad.dtype
     else:
       flat = accs[0] if one else tf.concat(accs, 0)

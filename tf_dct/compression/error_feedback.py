@@ -20,6 +20,11 @@ from typing import Sequence
 import tensorflow as tf
 
 
+def non_finite_message(owner: str, variable) -> str:
+  """The error text when `variable`'s gradient has a NaN or Inf entry."""
+  return f"{owner}: non-finite gradient for variable {variable.name}"
+
+
 def check_finite(owner: str, grads: Sequence, variables: Sequence) -> list:
   """`tf.debugging.check_numerics` on every gradient (IndexedSlices: values).
 
@@ -30,7 +35,7 @@ def check_finite(owner: str, grads: Sequence, variables: Sequence) -> list:
   """
   checked = []
   for g, v in zip(grads, variables):
-    message = f"{owner}: non-finite gradient for variable {v.name}"
+    message = non_finite_message(owner, v)
     if isinstance(g, tf.IndexedSlices):
       checked.append(tf.IndexedSlices(
           tf.debugging.check_numerics(g.values, message), g.indices,

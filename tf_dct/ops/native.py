@@ -132,7 +132,7 @@ def usable(dtype: tf.DType, device: str | None) -> bool:
   float32/float64 on a CPU (or an unplaced op), outside XLA, with the
   library available (built here if needed).
   """
-  if switched_off() or dtype not in (tf.float32, tf.float64):
+  if dtype not in (tf.float32, tf.float64):
     return False
   if tf.DeviceSpec.from_string(device or "").device_type not in (None, "CPU"):
     return False

@@ -1,5 +1,5 @@
 // Native CPU kernels of tf_dct's compressors (tf_dct/ops/native.py builds
-// and loads this file). Both give bit for bit what the stock ops they replace
+// and loads this file). Each gives bit for bit what the stock ops it replaces
 // give.
 //
 // TfDctThresholdSelect: DCT-DP (DCT Algorithm 1) lines 2 and 9-11 for one
@@ -9,8 +9,7 @@
 // (line 9); the first `capacity` selected entries packed, in position order,
 // into fixed (idx, val) buffers, padding n and 0 (line 10); the new residual,
 // acc with the packed entries zeroed (line 11); and the number selected before
-// the capacity cut. Bit for bit what tf_dct/compression/dct_dp.py computes
-// with stock ops; tf_dct/ops/native.py builds and loads this file.
+// the capacity cut, as tf_dct/compression/dct_dp.py computes with stock ops.
 //
 // A non-finite gradient entry fails the op with InvalidArgument and `message`,
 // as tf.debugging.check_numerics would, so nothing computed from it leaves.
@@ -56,6 +55,25 @@ absl::Status InvalidArgument(const Args&... args) {
   return absl::InvalidArgumentError(absl::StrCat(args...));
 }
 
+// The error of a non-finite gradient, worded as check_numerics words it.
+absl::Status NonFinite(const std::string& message, bool nan) {
+  return InvalidArgument(message, " : Tensor had ", (nan ? "NaN" : "Inf"),
+                         " values");
+}
+
+// Whether `residual` is one scalar added to every entry of `grad` (else it
+// has grad's entries), or an error.
+absl::Status ScalarResidual(const Tensor& grad, const Tensor& residual,
+                            bool* scalar) {
+  const int64_t n = grad.NumElements();
+  *scalar = residual.NumElements() == 1 && n != 1;
+  if (!*scalar && residual.NumElements() != n) {
+    return InvalidArgument("residual must have ", n, " entries or one, got ",
+                           residual.shape().DebugString());
+  }
+  return absl::OkStatus();
+}
+
 REGISTER_OP("TfDctThresholdSelect")
     .Input("grad: T")
     .Input("residual: T")
@@ -98,10 +116,8 @@ class ThresholdSelectOp : public OpKernel {
                                 "entries, got shape ", grad.shape().DebugString()));
     // The residual is the variable's (same length) or one scalar added to
     // every entry (0 when the caller accumulated already).
-    const bool scalar = residual.NumElements() == 1 && n != 1;
-    OP_REQUIRES(ctx, scalar || residual.NumElements() == n,
-                InvalidArgument("residual must have ", n, " entries or one, got ",
-                                residual.shape().DebugString()));
+    bool scalar;
+    OP_REQUIRES_OK(ctx, ScalarResidual(grad, residual, &scalar));
     OP_REQUIRES(ctx, tau_t.NumElements() == 1,
                 InvalidArgument("tau must be a scalar"));
     Tensor *idx_t, *val_t, *res_t, *sel_t;
@@ -123,9 +139,7 @@ class ThresholdSelectOp : public OpKernel {
     for (int64_t i = 0; i < n; ++i) {
       const T gi = g[i];
       if (!std::isfinite(gi)) {
-        ctx->CtxFailure(InvalidArgument(message_, " : Tensor had ",
-                                        (std::isnan(gi) ? "NaN" : "Inf"),
-                                        " values"));
+        ctx->CtxFailure(NonFinite(message_, std::isnan(gi)));
         return;
       }
       const T acc = gi + (scalar ? r[0] : r[i]);        // line 2
@@ -309,10 +323,9 @@ class OrderStatisticOp : public OpKernel {
     const Tensor& grad = ctx->input(0);
     const Tensor& residual = ctx->input(1);
     const int64_t n = grad.NumElements();
-    OP_REQUIRES(ctx, residual.NumElements() == n || residual.NumElements() == 1,
-                InvalidArgument("residual must have ", n, " entries or one"));
+    bool scalar;
+    OP_REQUIRES_OK(ctx, ScalarResidual(grad, residual, &scalar));
     OP_REQUIRES(ctx, m_ < n, InvalidArgument("m must be below ", n, ", got ", m_));
-    const bool scalar = residual.NumElements() == 1 && n != 1;
     const T* g = grad.flat<T>().data();
     const T* r = residual.flat<T>().data();
     using Bits = typename std::conditional<sizeof(T) == 4, uint32_t,
@@ -333,11 +346,7 @@ class OrderStatisticOp : public OpKernel {
       nan |= (g[i] != g[i]);
       ++count[bucket(magnitude(i))];
     }
-    if (!finite) {
-      ctx->CtxFailure(InvalidArgument(message_, " : Tensor had ",
-                                      (nan ? "NaN" : "Inf"), " values"));
-      return;
-    }
+    OP_REQUIRES(ctx, finite, NonFinite(message_, nan));
     int64_t target = 0, below = 0;  // the bucket of rank m, entries before it
     while (below + count[target] <= m_) below += count[target++];
     std::vector<T> members;
