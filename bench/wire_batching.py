@@ -10,8 +10,9 @@ sides return the same sums (checked bit for bit before timing).
 
 With `--mlp_layers=L` it also times whole training steps: an MLP of L
 hidden layers of `--mlp_width` units (2 L + 2 variables, every buffer short),
-4 replicas, SGD, global batch 256, DCTDP(0.99, threshold_life=1000) traced
-three ways: with the wire's batching off (`BATCH_CAPACITY = 0`), with the
+4 replicas, SGD, global batch 256, DCTDP(0.99, threshold_life=1000,
+native=False) (the grouping is a stock-op path; the native kernel selects
+every variable in one op) traced three ways: with the wire's batching off (`BATCH_CAPACITY = 0`), with the
 selection's grouping of small variables off (`dct_dp.FUSE_SIZE = 0`), and
 with both on, against Dense; interleaved blocks, medians. It also prints
 how long each side took to trace and run its first step.
@@ -180,7 +181,7 @@ def main(argv):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4096, width)).astype(np.float32)
     data = (x, (x[:, :1] > 0).astype(np.float32))
-    dctdp = lambda: compression.DCTDP(0.99, threshold_life=1000)
+    dctdp = lambda: compression.DCTDP(0.99, threshold_life=1000, native=False)
     built = {
         "Dense": mlp_step(repl, compression.Dense(), layers, width, data,
                           sparse_wire.BATCH_CAPACITY),

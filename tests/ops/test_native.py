@@ -1,4 +1,4 @@
-"""tf_dct.ops.native: the one-pass DCT-DP kernel against a numpy reference."""
+"""tf_dct.ops.native: the DCT-DP kernels against numpy and the stock ops."""
 
 import os
 from unittest import mock
@@ -41,7 +41,20 @@ def reference(grad, residual, tau, capacity):
   return idx, val, new_residual, positions.size
 
 
-class ThresholdSelectTest(tf.test.TestCase, parameterized.TestCase):
+def select_one(grad, residual, tau, capacity, mode=native.FIXED, m=0,
+               band=(0, 0), message="m"):
+  """`native.select` of one variable: (idx, val, residual, tau, selected,
+  early) as numpy values."""
+  idx, val, res, taus, selected, early = native.select(
+      [tf.constant(grad)], [tf.constant(residual)],
+      tf.constant([tau], grad.dtype), tf.constant([mode], tf.int32),
+      [capacity], [m], [band[0]], [band[1]], [message])
+  return (idx[0].numpy(), val[0].numpy(), res[0].numpy(), taus.numpy()[0],
+          int(selected[0]), bool(early[0]))
+
+
+class SelectTest(tf.test.TestCase, parameterized.TestCase):
+  """Lines 2 and 9-11 with a given tau (mode FIXED)."""
 
   def setUp(self):
     super().setUp()
@@ -58,41 +71,71 @@ class ThresholdSelectTest(tf.test.TestCase, parameterized.TestCase):
     residual = np.round(rng.normal(size=n) * 4).astype(dtype) / 8
     residual[:3] = -grad[:3]  # acc exactly 0: never selected, even at tau 0
     for tau in (0.0, 0.5, 1.25, 100.0):
-      got = native.threshold_select(tf.constant(grad), tf.constant(residual),
-                                    tf.constant(tau, dtype), capacity, "m")
+      got = select_one(grad, residual, dtype(tau), capacity)
       want = reference(grad, residual, dtype(tau), capacity)
-      for g, w, name in zip(got, want, ("idx", "val", "residual", "selected")):
+      for name, g, w in zip(("idx", "val", "residual", "selected"),
+                            got[:3] + (got[4],), want):
         self.assertAllEqual(g, w, msg=f"{name} tau {tau}")
       self.assertEqual(got[1].dtype, dtype)
+      self.assertEqual(got[3], dtype(tau))  # FIXED keeps tau
+      self.assertFalse(got[5])
 
   def test_scalar_residual_is_added_to_every_entry(self):
     grad = np.array([0.5, -2.0, 3.0, 0.0], np.float32)
-    got = native.threshold_select(tf.constant(grad), tf.constant(1.0),
-                                  tf.constant(2.0), 2, "m")
+    got = select_one(grad, np.float32(1.0), np.float32(2.0), 2)
     want = reference(grad, np.float32(1.0), np.float32(2.0), 2)
-    for g, w in zip(got, want):
+    for g, w in zip(got[:3] + (got[4],), want):
       self.assertAllEqual(g, w)
+    # A scalar 0 adds nothing: the gradient is the accumulator, -0.0 kept.
+    grad = np.array([-0.0, 3.0, -0.5], np.float32)
+    got = select_one(grad, np.float32(0.0), np.float32(1.0), 2)
+    self.assertAllEqual(got[2], [0.0, 0.0, -0.5])
+    self.assertTrue(np.signbit(got[2][0]))
 
-  @parameterized.named_parameters(("nan", np.nan, "NaN"), ("inf", -np.inf, "Inf"))
-  def test_non_finite_gradient_raises_with_the_message(self, bad, kind):
-    grad = np.array([1.0, bad, 2.0], np.float32)
+  @parameterized.product(
+      bad=[("nan", np.nan, "NaN"), ("inf", -np.inf, "Inf")],
+      mode=[native.GUARDED, native.REFRESH, native.FIXED])
+  def test_non_finite_gradient_raises_with_the_message(self, bad, mode):
+    _, value, kind = bad
+    grads = [np.array([1.0, 2.0, 3.0], np.float32),
+             np.array([1.0, value, 2.0], np.float32)]
     with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
-                                f"DCTDP: bad gradient w : Tensor had {kind}"):
-      native.threshold_select(tf.constant(grad), tf.zeros([3]),
-                              tf.constant(1.0), 2, "DCTDP: bad gradient w")
+                                f"DCTDP: bad gradient w1 : Tensor had {kind}"):
+      native.select([tf.constant(g) for g in grads], [tf.zeros([3])] * 2,
+                    tf.constant([1.0, 1.0]), tf.constant([mode] * 2),
+                    [2, 2], [1, 1], [1, 1], [2, 2],
+                    ["DCTDP: bad gradient w0", "DCTDP: bad gradient w1"])
 
-  def test_bad_shapes_raise(self):
+  def test_bad_arguments_raise(self):
+    one = lambda grad, residual, **kw: native.select(
+        [grad], [residual], kw.get("taus", tf.constant([1.0])),
+        kw.get("modes", tf.constant([native.FIXED])), kw.get("caps", [2]),
+        kw.get("below", [0]), [0], [0], ["m"])
     with self.assertRaisesRegex((ValueError, tf.errors.InvalidArgumentError),
                                 "rank"):
-      native.threshold_select(tf.zeros([2, 2]), tf.zeros([4]),
-                              tf.constant(1.0), 2, "m")
+      one(tf.zeros([2, 2]), tf.zeros([4]))
     with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
                                 "residual must have 4 entries or one"):
-      native.threshold_select(tf.zeros([4]), tf.zeros([3]),
-                              tf.constant(1.0), 2, "m")
+      one(tf.zeros([4]), tf.zeros([3]))
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                r"below must be in \[0, 3\), got 3"):
+      one(tf.zeros([3]), tf.zeros([3]), below=[3])
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "modes must be 0, 1 or 2, got 5"):
+      one(tf.zeros([3]), tf.zeros([3]), modes=tf.constant([5]))
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "taus and modes must have N = 1 entries"):
+      one(tf.zeros([3]), tf.zeros([3]), taus=tf.constant([1.0, 2.0]))
+    with self.assertRaisesRegex((ValueError, tf.errors.InvalidArgumentError),
+                                "capacities"):
+      one(tf.zeros([3]), tf.zeros([3]), caps=[2, 2])
+    with self.assertRaisesRegex((ValueError, tf.errors.InvalidArgumentError),
+                                "capacities must be >= 1"):
+      one(tf.zeros([3]), tf.zeros([3]), caps=[0])
 
 
-class OrderStatisticTest(tf.test.TestCase, parameterized.TestCase):
+class RefreshTest(tf.test.TestCase, parameterized.TestCase):
+  """Lines 4-5 (mode REFRESH) and the density guard (mode GUARDED)."""
 
   def setUp(self):
     super().setUp()
@@ -104,16 +147,26 @@ class OrderStatisticTest(tf.test.TestCase, parameterized.TestCase):
     grad = (np.round(rng.normal(size=500) * 3) / 3).astype(dtype)  # many ties
     residual = (np.round(rng.normal(size=500) * 3) / 6).astype(dtype)
     for m in (1, 7, 250, 499):
-      got = native.order_statistic(tf.constant(grad), tf.constant(residual), m,
-                                   "m")
+      got = select_one(grad, residual, dtype(123), 20, native.REFRESH, m)
       want = dct_dp.order_statistic_threshold(
           tf.abs(tf.constant(grad) + tf.constant(residual)), m)
-      self.assertEqual(got.dtype, dtype)
-      self.assertEqual(float(got), float(want), msg=f"m {m}")
-      self.assertEqual(float(got), np.sort(np.abs(grad + residual))[m])
-    scalar = native.order_statistic(tf.constant(grad), tf.constant(dtype(0.5)),
-                                    3, "m")
-    self.assertEqual(float(scalar), np.sort(np.abs(grad + dtype(0.5)))[3])
+      self.assertEqual(got[3].dtype, dtype)
+      self.assertEqual(float(got[3]), float(want), msg=f"m {m}")
+      self.assertEqual(float(got[3]), np.sort(np.abs(grad + residual))[m])
+      # ... and the selection is that of the new threshold.
+      for name, g, w in zip(("idx", "val", "residual", "selected"),
+                            got[:3] + (got[4],),
+                            reference(grad, residual, got[3], 20)):
+        self.assertAllEqual(g, w, msg=f"{name} m {m}")
+    scalar = select_one(grad, dtype(0.5), dtype(0), 3, native.REFRESH, 3)
+    self.assertEqual(float(scalar[3]), np.sort(np.abs(grad + dtype(0.5)))[3])
+
+  def test_m_zero_selects_every_non_zero_entry(self):
+    grad = np.array([0.0, -1.0, 2.0, 0.0], np.float32)
+    got = select_one(grad, np.float32(0), np.float32(5), 4, native.REFRESH, 0)
+    self.assertEqual(got[3], 0.0)
+    self.assertEqual(got[4], 2)
+    self.assertAllEqual(got[0], [1, 2, 4, 4])
 
   def test_extreme_spreads(self):
     rng = np.random.default_rng(3)
@@ -128,7 +181,8 @@ class OrderStatisticTest(tf.test.TestCase, parameterized.TestCase):
     }
     for name, grad in cases.items():
       for m in (1, grad.size // 2, grad.size - 1):
-        got = native.order_statistic(tf.constant(grad), tf.zeros([]), m, "m")
+        got = select_one(grad, np.float32(0), np.float32(0), 1,
+                         native.REFRESH, m)[3]
         # acc = g + E, as DCT-DP's stock path computes it (the add flushes).
         want = dct_dp.order_statistic_threshold(
             tf.abs(tf.constant(grad) + tf.zeros_like(grad)), m)
@@ -136,14 +190,57 @@ class OrderStatisticTest(tf.test.TestCase, parameterized.TestCase):
         if name != "zeros_and_tiny":
           self.assertEqual(float(got), np.sort(np.abs(grad))[m])
 
-  def test_non_finite_and_bad_m_raise(self):
-    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
-                                "bad w : Tensor had NaN"):
-      native.order_statistic(tf.constant([1.0, np.nan, 2.0]), tf.zeros([3]), 1,
-                             "bad w")
-    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
-                                "m must be below 3"):
-      native.order_statistic(tf.zeros([3]), tf.zeros([3]), 3, "m")
+  def test_guard_keeps_tau_inside_the_band_and_refreshes_outside(self):
+    grad = np.array([4.0, -3.0, 0.5, -0.0, 2.0, -1.0, 0.25, 8.0], np.float32)
+    residual = np.zeros(8, np.float32)
+    residual[3] = -0.0  # acc -0.0: never selected, kept as -0.0
+    m = 5  # a fresh tau selects 3 (4, -3, 8): w_5 = 3
+    # Old tau 1.5 selects 4 entries (4, -3, 2, 8): inside [3, 4], kept.
+    got = select_one(grad, residual, np.float32(1.5), 4, native.GUARDED, m,
+                     band=(3, 4))
+    self.assertEqual((got[3], got[4], got[5]), (1.5, 4, False))
+    # Outside [1, 3]: refreshed to w_5 = 3, selecting 4, -3 and 8.
+    got = select_one(grad, residual, np.float32(1.5), 4, native.GUARDED, m,
+                     band=(1, 3))
+    self.assertEqual((got[3], got[4], got[5]), (3.0, 3, True))
+    want = reference(grad, residual, np.float32(3.0), 4)
+    for name, g, w in zip(("idx", "val", "residual"), got[:3], want):
+      self.assertAllEqual(g, w, msg=name)
+    self.assertTrue(np.signbit(got[2][3]))  # restored bit for bit
+    # Too few (old tau 100 selects none of [1, 3]), with an overflowing
+    # capacity of 2 before the refresh restores every packed entry.
+    got = select_one(grad, residual, np.float32(100), 2, native.GUARDED, m,
+                     band=(1, 3))
+    self.assertEqual((got[3], got[4], got[5]), (3.0, 3, True))
+    got = select_one(grad, residual, np.float32(0.1), 2, native.GUARDED, m,
+                     band=(1, 3))  # 6 selected, 2 packed, then refreshed
+    self.assertEqual((got[3], got[4], got[5]), (3.0, 3, True))
+    for name, g, w in zip(("idx", "val", "residual"), got[:3],
+                          reference(grad, residual, np.float32(3.0), 2)):
+      self.assertAllEqual(g, w, msg=name)
+
+  def test_several_variables_each_as_alone(self):
+    rng = np.random.default_rng(5)
+    sizes, caps, below = [30, 1, 64, 9], [4, 1, 6, 9], [26, 0, 60, 3]
+    modes = [native.REFRESH, native.FIXED, native.GUARDED, native.GUARDED]
+    bands = [(0, 0), (0, 0), (0, 64), (100, 200)]  # only the last refreshes
+    grads = [rng.normal(size=n).astype(np.float32) for n in sizes]
+    residuals = [rng.normal(size=n).astype(np.float32) for n in sizes]
+    taus = np.float32([0.0, 0.5, 1.0, 0.2])
+    got = native.select([tf.constant(g) for g in grads],
+                        [tf.constant(r) for r in residuals],
+                        tf.constant(taus), tf.constant(modes), caps, below,
+                        [b[0] for b in bands], [b[1] for b in bands],
+                        ["a", "b", "c", "d"])
+    for v in range(4):
+      alone = select_one(grads[v], residuals[v], taus[v], caps[v], modes[v],
+                         below[v], bands[v])
+      for name, g, w in zip(("idx", "val", "residual"), alone[:3],
+                            [got[0][v], got[1][v], got[2][v]]):
+        self.assertAllEqual(g, w, msg=f"{name} of {v}")
+      self.assertEqual(alone[3:], (got[3].numpy()[v], int(got[4][v]),
+                                   bool(got[5][v])), msg=f"{v}")
+    self.assertAllEqual(got[5], [False, False, False, True])
 
 
 class ScatterSumTest(tf.test.TestCase, parameterized.TestCase):
@@ -219,8 +316,8 @@ class LibraryTest(tf.test.TestCase):
       build.assert_not_called()
     with self.assertRaisesRegex(RuntimeError, "unavailable"), \
         mock.patch.dict(os.environ, {native.ENV_SWITCH: "off"}):
-      native.threshold_select(tf.zeros([2]), tf.zeros([2]), tf.constant(1.0),
-                              1, "m")
+      select_one(np.zeros(2, np.float32), np.zeros(2, np.float32),
+                 np.float32(1), 1)
 
   def test_failed_build_warns_once_and_falls_back(self):
     cache = self.create_tempdir().full_path

@@ -44,7 +44,7 @@ them exactly):
   step's collectives complete, and those wait for every replica's checks, so
   when one replica fails no replica's state advances (replicas stay in step).
   Variables that go through the native kernel (see below) are checked by
-  the kernel itself as it reads the gradient, with the same error; the
+  the kernel itself as it reads the gradients, with the same error; the
   all-gather carries every selected variable, so it waits for those checks
   too (the dense all-reduce of variables without state may complete first,
   which moves no state).
@@ -83,23 +83,22 @@ them exactly):
   too noisy to stay in the band, and it fires on 35-58% of steps, which is
   cheap for such small variables (docs/benchmarks.md, tenth session).
   `density_band=None` gives Algorithm 1 exactly.
-* Grouping (an implementation detail, not a change of algorithm): variables
-  of at most `FUSE_SIZE` entries and one dtype are laid end to end and go
-  through lines 3-11 together (one mask, one prefix count, one compaction),
-  each still with its own tau, schedule, capacity and residual; the result
-  is bit for bit that of one variable at a time (tested). On a step where
-  any of them refreshes tau, all of them compute their order statistic and
-  those not due keep their old tau.
+* Grouping (an implementation detail, not a change of algorithm): with
+  stock ops, variables of at most `FUSE_SIZE` entries and one dtype are laid
+  end to end and go through lines 3-11 together (one mask, one prefix count,
+  one compaction), each still with its own tau, schedule, capacity and
+  residual; the result is bit for bit that of one variable at a time
+  (tested). On a step where any of them refreshes tau, all of them compute
+  their order statistic and those not due keep their old tau.
 * Native kernels (an implementation detail, `native=None` by default): on
-  CPU and outside XLA, a variable selected on its own runs lines 2 and 9-11
-  (acc = g + E, the mask, the compaction, the new residual, the selected
-  count) and the finite check in one pass of a C++ kernel
-  (`tf_dct.ops.native`, compiled on first use) instead of about a dozen
-  stock ops, and the order statistic of a refresh (lines 4-5) by an O(n)
-  selection instead of `top_k`; after the all-gather one kernel decodes,
-  sums and counts the non-zeros of each long buffer (line 12). Bit for bit
-  the same results (tested). Without a compiler, on GPU, TPU and under XLA
-  the stock ops run; grouped small variables always do.
+  CPU and outside XLA, all of a replica's variables of one dtype go through
+  lines 2-11 in one C++ op (`tf_dct.ops.native.select`, compiled on first
+  use): per variable the finite check, acc = g + E, the schedule's refresh
+  with an O(n) order statistic, the density guard, the mask, the compaction
+  and the new residual. It replaces a dozen stock ops per variable, the
+  `tf.cond` of the schedule and the grouping below. After the all-gather one kernel decodes, sums and counts the non-zeros of
+  each long buffer (line 12). Bit for bit the same results (tested).
+  Without a compiler, on GPU, TPU and under XLA the stock ops run.
 * Index encoding: `index_encoding` ("auto" by default) picks the wire layout
   of positions, see `sparse_wire`; the chunked layouts cut the index bytes
   to 1-2 per slot plus per-chunk counts.
@@ -137,11 +136,12 @@ from tf_dct.ops import native as native_ops
 _check = functools.partial(validation.check_number, "DCTDP")
 
 
-# Variables of at most this many entries (biases, small kernels) are selected
-# together, laid end to end in one flat vector (`DCTDP._sparsify`); larger
-# ones one by one. Grouping saves ops per variable (faster steps and a much
-# faster trace for models with many small variables, see docs/benchmarks.md)
-# but costs per entry: an entry finds its variable's tau through a gather,
+# With stock ops (the native kernel takes every variable in one op), variables
+# of at most this many entries (biases, small kernels) are selected together,
+# laid end to end in one flat vector (`DCTDP._sparsify`); larger ones one by
+# one. Grouping saves ops per variable (faster steps and a much faster trace
+# for models with many small variables, see docs/benchmarks.md) but costs per
+# entry: an entry finds its variable's tau through a gather,
 # and a step on which any member of a group refreshes tau computes the order
 # statistic of every member. Same-process A/Bs on the DLRM benchmark (4 CPU
 # replicas, DCTDP(L=1000) vs Dense): 2.81x with 8192, 2.92x with 40000, 5.07x
@@ -221,8 +221,8 @@ class DCTDP(Compressor):
       and are all-gathered) and keep no state, e.g. `("embedding",)` to
       compress only the dense layers, as DCT §3.1 does for DLRM.
     native: use the native CPU kernels (`tf_dct.ops.native`, built on first
-      use; results bit-identical to stock ops) for the variables selected on
-      their own (lines 2-11) and the long wire buffers (line 12). None
+      use; results bit-identical to stock ops) for lines 2-11 of every
+      variable and the long wire buffers (line 12). None
       (default): when they build, on CPU and outside XLA; False: never;
       True: the same, but raise at construction when they cannot be built.
 
@@ -289,8 +289,8 @@ class DCTDP(Compressor):
 
   def reduce(self, ctx, grads, variables, states):
     grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
-    groups = self._groups(grads, variables, states)
-    native = self._native_positions(groups, grads, variables)
+    native = self._native_positions(grads, variables, states)
+    groups = self._groups(grads, variables, states, native)
     # No state is read before every gradient of this replica passed the check
     # (see `error_feedback.checked_reads`); the native kernel checks the dense
     # gradients it reads itself.
@@ -316,8 +316,9 @@ class DCTDP(Compressor):
         accs[i] = (tf.reshape(g, [-1]), tf.reshape(values[i]["residual"], [-1]))
     # One selection-time span for all variables (see `accounting`).
     start = accounting.start_timer(tf.nest.flatten(list(accs.values())), timing)
-    for members in groups:
-      items, dense_parts, write, group_reports = self._sparsify(
+    for native_group, members in groups:
+      sparsify = self._select_native if native_group else self._sparsify
+      items, dense_parts, write, group_reports = sparsify(
           [(accs[i], variables[i], states[i], values[i]) for i in members],
           start)
       sparse_items += [(i,) + item for i, item in zip(members, items)]
@@ -365,39 +366,105 @@ class DCTDP(Compressor):
              else self.aggregate_nnz(r, warm))
       self.record(v, nnz=nnz, **report)
 
-  def _groups(self, grads, variables, states) -> list[list[int]]:
+  def _groups(self, grads, variables, states, native
+              ) -> list[tuple[bool, list[int]]]:
     """Positions of the variables selected together, in variable order.
 
-    Variables with state of at most `FUSE_SIZE` entries and one dtype form
-    one group; every larger variable is a group of its own (see
-    `FUSE_SIZE`).
+    Each group is `(native, positions)`. The variables of `native` of one
+    dtype form one group for the native kernel. Of the others, those of at
+    most `FUSE_SIZE` entries and one dtype form one group; every larger one
+    is a group of its own (see `FUSE_SIZE`).
     """
     fused, groups = {}, []
     for i, (g, v, st) in enumerate(zip(grads, variables, states)):
       if not st:
         continue
-      if v.shape.num_elements() <= FUSE_SIZE:
-        if g.dtype not in fused:
-          fused[g.dtype] = []
-          groups.append(fused[g.dtype])
-        fused[g.dtype].append(i)
+      key = (i in native, g.dtype)
+      if i in native or v.shape.num_elements() <= FUSE_SIZE:
+        if key not in fused:
+          fused[key] = []
+          groups.append((i in native, fused[key]))
+        fused[key].append(i)
       else:
-        groups.append([i])
+        groups.append((False, [i]))
     return groups
 
-  def _native_positions(self, groups, grads, variables) -> set[int]:
-    """Variables whose lines 2 and 9-11 run in the native kernel.
+  def _native_positions(self, grads, variables, states) -> set[int]:
+    """Variables whose lines 2-11 run in the native kernel.
 
-    Those selected on their own (a group of one), of float32/float64, placed
-    on a CPU, outside XLA, when the kernel is available and not turned off.
+    Those with state, of float32/float64, placed on a CPU, outside XLA, when
+    the kernel is available and not turned off.
     """
     if self.native is False:
       return set()
-    return {g[0] for g in groups if len(g) == 1
-            and native_ops.usable(grads[g[0]].dtype, variables[g[0]].device)}
+    return {i for i, (g, v, st) in enumerate(zip(grads, variables, states))
+            if st and native_ops.usable(g.dtype, v.device)}
+
+  def _schedule(self, k):
+    """Per variable (from the step counters k): (warm, due), warm None
+    without warmup; due: the schedule refreshes tau (line 3)."""
+    if not self.warmup_steps:
+      return None, k % self.threshold_life == 0                  # DCT Algorithm 1 line 3
+    warm = k < self.warmup_steps
+    return warm, tf.logical_and(
+        tf.logical_not(warm),
+        (k - self.warmup_steps) % self.threshold_life == 0)
+
+  def _unpack(self, group):
+    """A group's accumulators, variables, states, sizes n, m (`num_below`),
+    capacities, and its step counters k and thresholds as [V] tensors."""
+    variables = [v for _, v, _, _ in group]
+    sizes = [v.shape.num_elements() for v in variables]
+    values = [value for _, _, _, value in group]
+    return ([acc for acc, _, _, _ in group], variables,
+            [st for _, _, st, _ in group], sizes,
+            [num_below(n, self.sparsity) for n in sizes],
+            [capacity(n, self.sparsity, self.capacity_factor) for n in sizes],
+            tf.stack([value["step"] for value in values]),
+            tf.stack([value["threshold"] for value in values]))
+
+  def _select_native(self, group, start):
+    """Lines 2-11 for a group of variables of one dtype in one native op.
+
+    The arguments and results are those of `_sparsify`; `group` has `(g, E)`
+    as flat vectors instead of acc (E may be a scalar 0), and the kernel
+    checks g and adds E (`native_ops.select`). Every variable keeps its own
+    threshold, schedule, capacity and residual; the kernel takes each one's
+    branch (refresh, guard, reuse) itself, so no `tf.cond` is built.
+    """
+    pairs, variables, states, sizes, below, caps, k, old_tau = self._unpack(
+        group)
+    dtype = pairs[0][0].dtype
+    warm, due = self._schedule(k)
+    if self.density_band is None:
+      reuse = native_ops.FIXED
+      lowest, highest = [0] * len(sizes), [0] * len(sizes)
+    else:  # the guard's band on the count, as integers: c < x iff c < ceil(x)
+      reuse = native_ops.GUARDED
+      low, high = self.density_band
+      expected = np.asarray([n - m for n, m in zip(sizes, below)], np.float64)
+      lowest = [int(math.ceil(x)) for x in low * expected]
+      highest = [int(math.floor(x)) for x in high * expected]
+    modes = tf.where(due, native_ops.REFRESH, reuse)
+    taus = old_tau
+    if warm is not None:  # a warm variable selects nothing: tau = inf
+      modes = tf.where(warm, native_ops.FIXED, modes)
+      taus = tf.where(warm, tf.constant(np.inf, dtype), old_tau)
+    timed = [start] if self.timing_enabled else []
+    with tf.control_dependencies(timed):
+      idxs, vals, residuals, tau, selected, early = native_ops.select(
+          [g for g, _ in pairs], [e for _, e in pairs], taus, modes, caps,
+          below, lowest, highest,
+          [error_feedback.non_finite_message("DCTDP", v) for v in variables])
+    if warm is not None:  # the threshold of a warm variable stays as it was
+      tau = tf.where(warm, old_tau, tau)
+    refresh = tf.logical_or(due, early)
+    return self._finish(variables, states, sizes, caps, tau, refresh,
+                        early if self.density_band is not None else None,
+                        warm, selected, idxs, vals, residuals)
 
   def _sparsify(self, group, start):
-    """Lines 3-11 for a group of variables of one dtype on this replica.
+    """Lines 3-11 for a group of variables of one dtype, with stock ops.
 
     Each variable keeps its own threshold, schedule, capacity and residual
     (layer-wise, as Algorithm 1). The variables of a group are laid end to
@@ -409,9 +476,7 @@ class DCTDP(Compressor):
     Args:
       group: `(acc, variable, state, values)` per variable, acc = g + E
         (line 2) as a flat vector, all of one dtype, and `values` the state's
-        step and threshold as read after the gradient checks. A group of one
-        variable for the native kernel has `(g, E)` as flat vectors instead
-        of acc (E may be a scalar 0), and the kernel checks g and adds E.
+        step and threshold as read after the gradient checks.
       start: the step's selection timer (every selection op waits for it).
 
     Returns:
@@ -420,61 +485,27 @@ class DCTDP(Compressor):
       variable of the group; per variable what to report to the accounting
       (`record` arguments, and the warmup flag).
     """
-    accs = [acc for acc, _, _, _ in group]
-    variables = [v for _, v, _, _ in group]
-    states = [st for _, _, st, _ in group]
-    values = [value for _, _, _, value in group]
-    sizes = [v.shape.num_elements() for v in variables]
-    below = [num_below(n, self.sparsity) for n in sizes]
-    caps = [capacity(n, self.sparsity, self.capacity_factor) for n in sizes]
+    accs, variables, states, sizes, below, caps, k, old_tau = self._unpack(
+        group)
     one = len(sizes) == 1
     seg = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
     # Per entry, the value of its variable in a vector of per-variable values.
     per_entry = (lambda t: t[0]) if one else (lambda t: tf.gather(t, seg))
     split = (lambda t: [t]) if one else (lambda t: tf.split(t, sizes))
-    split_slots = (lambda t: [t]) if one else (lambda t: tf.split(t, caps))
-
-    k = tf.stack([value["step"] for value in values])
-    old_tau = tf.stack([value["threshold"] for value in values])
     timed = [start] if self.timing_enabled else []
-    pair = isinstance(accs[0], tuple)  # native kernel: (g, E), see Args
-    if pair:
-      grad, residual = accs[0]
-      message = error_feedback.non_finite_message("DCTDP", variables[0])
-      dtype = grad.dtype
-    else:
-      flat = accs[0] if one else tf.concat(accs, 0)
-      with tf.control_dependencies(timed):
-        magnitude = tf.abs(flat)
-      dtype = flat.dtype
+    flat = accs[0] if one else tf.concat(accs, 0)
+    with tf.control_dependencies(timed):
+      magnitude = tf.abs(flat)
     # DCT Algorithm 1 line 9, zeros excepted: they carry nothing, and with
     # tau = 0 (fewer than k non-zero entries, e.g. an embedding table whose
     # rows were not touched yet) they would fill the wire in flat order and
     # hold back the non-zero entries behind them until the next refresh.
-    eligible = None if pair else magnitude > 0
-    warm = warm_entry = None
-    if self.warmup_steps:
-      warm = k < self.warmup_steps
-      warm_entry = per_entry(warm)
-      if not pair:
-        eligible = tf.logical_and(eligible, tf.logical_not(warm_entry))
-      refresh = tf.logical_and(
-          tf.logical_not(warm),
-          (k - self.warmup_steps) % self.threshold_life == 0)
-    else:
-      refresh = k % self.threshold_life == 0                      # DCT Algorithm 1 line 3
-
-    def select_native(tau):  # (idx, val, new residual, selected) in one pass
-      if warm is not None:  # a warm variable selects nothing: tau = inf
-        tau = tf.where(warm, tf.constant(np.inf, dtype), tau)
-      with tf.control_dependencies(timed):
-        idx, val, new_residual, selected = native_ops.threshold_select(
-            grad, residual, tau[0], caps[0], message)
-      return idx, val, new_residual, selected[None]
+    eligible = magnitude > 0
+    warm, refresh = self._schedule(k)
+    if warm is not None:
+      eligible = tf.logical_and(eligible, tf.logical_not(per_entry(warm)))
 
     def select(tau):  # the mask, its prefix count, selected per variable
-      if pair:
-        return select_native(tau)
       mask = tf.logical_and(magnitude >= per_entry(tau), eligible)
       ends = sparse_wire.prefix_count(mask)
       if one:
@@ -498,15 +529,10 @@ class DCTDP(Compressor):
       refresh = tf.logical_or(refresh, early)
 
     def fresh():  # a new tau for the variables due, the old one for the rest
-      if pair:  # the native kernel's O(n) selection of the same value
-        tau = tf.stack([tf.zeros([], dtype) if below[0] == 0 else
-                        native_ops.order_statistic(grad, residual, below[0],
-                                                   message)])
-      else:
-        # A group of several holds small variables only, so each of them
-        # takes its order statistic (cheap) rather than a branch of its own.
-        tau = tf.stack([order_statistic_threshold(p, m)            # DCT Algorithm 1 lines 4-5
-                        for p, m in zip(split(magnitude), below)])
+      # A group of several holds small variables only, so each of them
+      # takes its order statistic (cheap) rather than a branch of its own.
+      tau = tf.stack([order_statistic_threshold(p, m)              # DCT Algorithm 1 lines 4-5
+                      for p, m in zip(split(magnitude), below)])
       if not one:
         tau = tf.where(refresh, tau, old_tau)
       return (tau,) + select(tau)
@@ -516,35 +542,47 @@ class DCTDP(Compressor):
 
     # One branch for the group: a step that keeps every tau (most steps with
     # a long threshold_life) builds no order statistic.
-    chosen = tf.cond(tf.reduce_any(refresh), fresh, reuse)
-    tau, selected = chosen[0], chosen[-1]
-    if pair:
-      idx, val, new_residual = chosen[1:4]
-    else:
-      mask, ends = chosen[1:3]
-      idx, val, _, fitted = sparse_wire.compact_segments(flat, mask, ends,
-                                                         sizes, caps)
-      # Line 10 sends acc * mask; here only the entries that fit on the wire
-      # are sent, the selected ones that did not fit are kept like
-      # unselected ones.
-      new_residual = tf.where(fitted, tf.zeros_like(flat), flat)  # DCT Algorithm 1 lines 10-11
+    tau, mask, ends, selected = tf.cond(tf.reduce_any(refresh), fresh, reuse)
+    idx, val, _, fitted = sparse_wire.compact_segments(flat, mask, ends,
+                                                       sizes, caps)
+    # Line 10 sends acc * mask; here only the entries that fit on the wire
+    # are sent, the selected ones that did not fit are kept like unselected
+    # ones.
+    new_residual = tf.where(fitted, tf.zeros_like(flat), flat)    # DCT Algorithm 1 lines 10-11
+    split_slots = (lambda t: [t]) if one else (lambda t: tf.split(t, caps))
+    return self._finish(variables, states, sizes, caps, tau, refresh, early,
+                        warm, selected, split_slots(idx), split_slots(val),
+                        split(new_residual))
+
+  def _finish(self, variables, states, sizes, caps, tau, refresh, early, warm,
+              selected, idxs, vals, residuals):
+    """What `_sparsify` returns, from a group's selection.
+
+    Args:
+      variables, states, sizes, caps: per variable of the group.
+      tau, refresh, early, warm, selected: [V] tau of this step, whether it
+        was refreshed, by the guard (None: no guard), warm (None: no
+        warmup), entries selected before the capacity cut.
+      idxs, vals, residuals: per variable its wire buffers and flat new
+        residual (a warm variable's is its whole accumulator).
+    """
     count = tf.minimum(selected, caps)
-    zero = tf.zeros_like(new_residual)
     dense_parts = [None] * len(sizes)
     if warm is not None:  # a dense step sends all n entries, none overflow
-      # A warm variable selected nothing, so its new residual is all of acc.
-      dense_parts = [tf.reshape(p, v.shape) for p, v in zip(
-          split(tf.where(warm_entry, new_residual, zero)), variables)]
-      new_residual = tf.where(warm_entry, zero, new_residual)
+      warms = tf.unstack(warm)
+      dense_parts = [tf.reshape(tf.where(w, r, tf.zeros_like(r)), v.shape)
+                     for w, r, v in zip(warms, residuals, variables)]
+      residuals = [tf.where(w, tf.zeros_like(r), r)
+                   for w, r in zip(warms, residuals)]
       count = tf.where(warm, sizes, count)
       selected = tf.where(warm, sizes, selected)
+    else:
+      warms = [None] * len(sizes)
     overflow = selected - count
-    residuals = split(new_residual)
     taus, refreshes, counts, overflows = [
         tf.unstack(t) for t in (tau, tf.cast(refresh, tf.int32), count, overflow)]
     earlies = (tf.unstack(tf.cast(early, tf.int32)) if early is not None
                else [None] * len(sizes))
-    warms = tf.unstack(warm) if warm is not None else [None] * len(sizes)
     reports = []
     for v, var in enumerate(variables):
       counters = {"refreshes": refreshes[v], "overflow": overflows[v]}
@@ -566,5 +604,5 @@ class DCTDP(Compressor):
         st["overflow"].local().assign(overflows[v])
 
     items = [(i, w, n, var.shape) for i, w, n, var in zip(
-        split_slots(idx), split_slots(val), sizes, variables)]
+        idxs, vals, sizes, variables)]
     return items, dense_parts, write, reports

@@ -2,12 +2,14 @@
 
 DCT-DP with stock TensorFlow ops passes over every entry of a variable about
 a dozen times per step (add, abs, two compares, a prefix count, a compaction,
-a select, the finite check), each pass an op with its own dispatch.
-`threshold_select` does DCT Algorithm 1 lines 2 and 9-11 and the finite check
-in one pass, `order_statistic` the threshold of lines 4-5 in O(n), and
-`scatter_sum` the dense sum of every replica's packed entries
-(line 12) with its non-zero count, which the accounting needs
-(kernels/sparse_kernels.cc). Results are bit-identical to the stock ops.
+a select, the finite check), each pass an op with its own dispatch, and runs
+a few dozen more small ops per variable for its threshold schedule. `select`
+does DCT Algorithm 1 lines 2-11 of all of a replica's variables in one op
+(the finite check, the schedule's refreshes in O(n), the density guard, the
+mask, the compaction and the new residuals), and `scatter_sum` the dense sum
+of every replica's packed entries (line 12) with its non-zero count, which
+the accounting needs (kernels/sparse_kernels.cc). Results are bit-identical
+to the stock ops.
 
 No wheel ships it: the source is compiled the first time it is needed, with
 the C++ compiler of the machine (`$CXX`, else `g++`) and the flags of the
@@ -53,7 +55,9 @@ def switched_off() -> bool:
 
 
 def _flags() -> list[str]:
-  return (["-std=c++17", "-shared", "-fPIC", "-O2",
+  return (["-std=c++17", "-shared", "-fPIC",
+           # -O3 vectorizes the accumulate pass (exact: no fast-math).
+           "-O3",
            # Keep a + b a separate rounding, as TensorFlow's add kernel does.
            "-ffp-contract=off", "-Wno-deprecated-declarations"]
           + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
@@ -147,53 +151,49 @@ def _lib():
   return lib
 
 
-def threshold_select(grad: tf.Tensor, residual: tf.Tensor, tau: tf.Tensor,
-                     capacity: int, message: str):
-  """DCT Algorithm 1 lines 2 and 9-11 of one variable in one CPU pass.
+# Modes of `select`, per variable.
+GUARDED, REFRESH, FIXED = 0, 1, 2
+
+
+def select(grads, residuals, taus: tf.Tensor, modes: tf.Tensor,
+           capacities, below, lowest, highest, messages):
+  """DCT Algorithm 1 lines 2-11 of several variables in one CPU op.
+
+  Per variable v, with acc = grads[v] + residuals[v] (line 2), n entries:
+  by `modes[v]`, REFRESH takes tau = w_m (the m-th smallest magnitude of acc,
+  0-based, m = below[v]; 0 when m = 0; lines 4-5, the value
+  `dct_dp.order_statistic_threshold` finds with `top_k`, in O(n)); FIXED
+  keeps taus[v] (line 7); GUARDED keeps taus[v] unless it selects fewer than
+  lowest[v] or more than highest[v] entries, and then refreshes as REFRESH
+  does (the density guard of `DCTDP`). The mask |acc| >= tau, acc != 0
+  (line 9) is packed into capacities[v] slots in position order (line 10)
+  and the packed entries leave the residual (line 11).
 
   Args:
-    grad: rank-1 float32/float64 gradient of n < 2^31 - 1 entries.
-    residual: the error-feedback residual (n entries), or a scalar added to
-      every entry (0 when `grad` is already the accumulator).
-    tau: scalar threshold.
-    capacity: wire slots, a Python int >= 1.
-    message: the error when an entry of `grad` is not finite
-      (InvalidArgumentError, as `tf.debugging.check_numerics` raises).
+    grads: rank-1 float32/float64 gradients, n_v < 2^31 - 1 entries each.
+    residuals: per variable its n_v residual entries, or a scalar added to
+      every entry (0 when the gradient is the accumulator already).
+    taus: [V] thresholds of the last step.
+    modes: int32[V] of GUARDED, REFRESH, FIXED.
+    capacities, below, lowest, highest: per variable, Python ints: wire
+      slots (>= 1), m (0 <= m < n_v), the guard's band on the selected count.
+    messages: per variable, the error when an entry of its gradient is not
+      finite (InvalidArgumentError, as `tf.debugging.check_numerics` raises).
 
   Returns:
-    `(idx, val, new_residual, selected)`, exactly what
-    `sparse_wire.compact` and DCT-DP's stock path give for acc = grad +
-    residual and the mask |acc| >= tau, acc != 0: int32[capacity] positions
-    (padding n), values[capacity] (padding 0), acc with the packed entries
-    zeroed, and the int32 count selected before the capacity cut.
+    `(idx, val, new_residuals, new_taus, selected, early)`: per variable
+    int32[capacity] positions (padding n) and values (padding 0), exactly
+    what `sparse_wire.compact` gives, and acc with the packed entries
+    zeroed; then [V] taus used, int32[V] entries selected before the capacity
+    cut, bool[V] whether the guard refreshed.
 
   Raises:
     RuntimeError: the native library is unavailable (see `library`).
   """
-  return _lib().tf_dct_threshold_select(grad, residual, tau,
-                                        capacity=capacity, message=message)
-
-
-def order_statistic(grad: tf.Tensor, residual: tf.Tensor, m: int,
-                    message: str) -> tf.Tensor:
-  """w_m, the m-th smallest (0-based) of |grad + residual|, in O(n).
-
-  The value `dct_dp.order_statistic_threshold(tf.abs(grad + residual), m)`
-  computes with `top_k` for m > 0, ties included: one pass counts the
-  magnitudes by the top bits of their bit patterns, a second gathers the
-  bucket that holds rank m for an `nth_element`.
-
-  Args:
-    grad: rank-1 float32/float64 of n entries.
-    residual: n entries, or a scalar added to every entry.
-    m: a Python int, 0 <= m < n.
-    message: the error when an entry of `grad` is not finite (as in
-      `threshold_select`).
-
-  Raises:
-    RuntimeError: the native library is unavailable (see `library`).
-  """
-  return _lib().tf_dct_order_statistic(grad, residual, m=m, message=message)
+  return _lib().tf_dct_select(
+      list(grads), list(residuals), taus, modes,
+      capacities=list(capacities), below=list(below), lowest=list(lowest),
+      highest=list(highest), messages=list(messages))
 
 
 def scatter_sum(words: tf.Tensor, val: tf.Tensor, n: int, chunk: int = 0,
