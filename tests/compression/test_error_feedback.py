@@ -26,8 +26,9 @@ COMPRESSORS = {
 }
 
 
-def _slices_run(make, replicas, steps, jit_compile, seed=0):
-  """Same IndexedSlices fed as slices to one compressor, densified to another."""
+def _slices_run(make, replicas, steps, jit_compile, seed=0, make_dense=None):
+  """Same IndexedSlices fed as slices to one compressor, densified to another
+  (made by `make_dense`, default `make`)."""
   rows, width, k = 6, 3, 5
   rng = np.random.default_rng(seed)
   ids = rng.integers(0, rows, size=(steps, replicas, k)).astype(np.int32)
@@ -37,7 +38,7 @@ def _slices_run(make, replicas, steps, jit_compile, seed=0):
   repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
                            input_replication=tf_dct.PER_REPLICA,
                            jit_compile=jit_compile)
-  sparse, dense = make(), make()
+  sparse, dense = make(), (make_dense or make)()
   for c in (sparse, dense):
     c.bind(repl)
   with repl.scope():
@@ -67,10 +68,16 @@ class IndexedSlicesTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.named_parameters(
       [(f"{name}_2_replicas", name, 2, False) for name in COMPRESSORS]
-      + [("DCTDP_1_replica_xla", "DCTDP", 1, True)])
-  def test_matches_densified_path(self, name, replicas, jit_compile):
+      + [("DCTDP_1_replica_xla", "DCTDP", 1, True),
+         # Slices through the native kernel, the densified gradient through
+         # stock ops.
+         ("DCTDP_native_vs_stock", "DCTDP", 2, False,
+          lambda: compression.DCTDP(sparsity=0.8, threshold_life=3,
+                                    capacity_factor=1.5, native=False))])
+  def test_matches_densified_path(self, name, replicas, jit_compile,
+                                  make_dense=None):
     history = _slices_run(COMPRESSORS[name], replicas, steps=4,
-                          jit_compile=jit_compile)
+                          jit_compile=jit_compile, make_dense=make_dense)
     # Bit-identical without XLA; XLA may sum the duplicates in another order.
     same = self.assertAllClose if jit_compile else self.assertAllEqual
     tol = {"atol": 1e-6, "rtol": 0} if jit_compile else {}
