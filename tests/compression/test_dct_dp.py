@@ -69,18 +69,24 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
       ("2_replicas", 2, {}),
       ("4_replicas", 4, {}),
       ("2_replicas_warmup_min_size", 2, {"warmup_steps": 3, "min_size": 20}),
-      ("2_replicas_one_by_one", 2, {}, 0),
-      ("2_replicas_warmup_one_by_one", 2, {"warmup_steps": 3}, 0),
+      # Stock ops (no native kernel), grouped and one by one.
+      ("2_replicas_stock_grouped", 2, {}, None, False),
+      ("2_replicas_stock_one_by_one", 2, {}, 0, False),
+      ("2_replicas_warmup_stock_grouped", 2, {"warmup_steps": 3}, None, False),
+      ("2_replicas_warmup_stock_one_by_one", 2, {"warmup_steps": 3}, 0, False),
   )
-  def test_matches_reference(self, replicas, extra, fuse_size=None):
+  def test_matches_reference(self, replicas, extra, fuse_size=None,
+                             native=None):
     kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5, **extra)
     grads = harness.gradients(12, replicas, seed=replicas)
     # density_band=None: Algorithm 1 as written, which the reference implements.
-    # The variables are small, so they are selected as one group unless
-    # fuse_size sends each through the selection on its own.
+    # On CPU the native kernel selects every variable (native=None); with
+    # stock ops the variables are small, so they are selected as one group
+    # unless fuse_size sends each through the selection on its own.
     with _fuse_size(fuse_size):
-      _, _, history = self._compare(DCTDP(density_band=None, **kwargs), grads,
-                                    replicas, kwargs)
+      _, _, history = self._compare(
+          DCTDP(density_band=None, native=native, **kwargs), grads, replicas,
+          kwargs)
     # The run exercised what it is meant to: sparse steps and, thanks to the
     # tied variable, threshold ties beyond capacity.
     sent = np.array([h[1][0]["sent"] for h in history])
@@ -247,7 +253,8 @@ class ZeroThresholdTest(tf.test.TestCase):
 
 
 class GroupingTest(tf.test.TestCase, parameterized.TestCase):
-  """Variables selected as one group behave exactly as one by one."""
+  """With stock ops, variables selected as one group behave exactly as one
+  by one; the native kernel (one op per dtype) as well."""
 
   @parameterized.named_parameters(("eager", False, 2), ("xla", True, 1))
   def test_grouped_equals_one_by_one(self, jit, replicas):
@@ -263,7 +270,7 @@ class GroupingTest(tf.test.TestCase, parameterized.TestCase):
     runs = {}
     # 35: variables 1 and 2 grouped, 0 and 3 alone; 10**9: one group of all.
     for size in (0, 35, 10**9):
-      compressor = DCTDP(**kwargs)
+      compressor = DCTDP(native=False, **kwargs)  # grouping is a stock path
       with _fuse_size(size):
         *_, history = harness.run(compressor, grads, replicas, shapes=shapes,
                                   jit_compile=jit)
@@ -295,8 +302,12 @@ class GroupingTest(tf.test.TestCase, parameterized.TestCase):
     shapes = [(6, 5), (17,), (3,), (4,)]
     grads = harness.gradients(6, 2, seed=9, shapes=shapes)
     outs = {}
-    for size in (0, 10**9):
-      compressor = DCTDP(0.7, threshold_life=3)
+    # Stock one by one, stock grouped, and (where it builds) the native
+    # kernel, one op per dtype.
+    runs = [(0, False), (10**9, False)] + ([(0, True)] if native_ops.available()
+                                          else [])
+    for size, native in runs:
+      compressor = DCTDP(0.7, threshold_life=3, native=native)
       repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"],
                                input_replication=tf_dct.PER_REPLICA)
       compressor.bind(repl)
@@ -319,14 +330,16 @@ class GroupingTest(tf.test.TestCase, parameterized.TestCase):
       self.assertEqual([o.dtype for o in out[-1][0]],
                        [d.as_numpy_dtype for d in dtypes])
       residuals = [compressor.state_for(v)["residual"].numpy() for v in variables]
-      outs[size] = (out, residuals)
-    (grouped, res_grouped), (alone, res_alone) = outs[10**9], outs[0]
-    for t, (a, b) in enumerate(zip(grouped, alone)):
-      for r in range(2):
-        for v in range(len(shapes)):
-          self.assertAllEqual(a[r][v], b[r][v], msg=f"step {t} var {v}")
-    for a, b in zip(res_grouped, res_alone):
-      self.assertAllEqual(a, b)
+      outs[(size, native)] = (out, residuals)
+    alone, res_alone = outs[(0, False)]
+    grouped, res_grouped = outs[(10**9, False)]
+    for key, (other, res_other) in outs.items():
+      for t, (a, b) in enumerate(zip(other, alone)):
+        for r in range(2):
+          for v in range(len(shapes)):
+            self.assertAllEqual(a[r][v], b[r][v], msg=f"{key} step {t} var {v}")
+      for a, b in zip(res_other, res_alone):
+        self.assertAllEqual(a, b, msg=f"{key}")
     # Something was sent and something held back.
     self.assertGreater(np.abs(np.concatenate(
         [np.ravel(o) for o in grouped[-1][0]])).sum(), 0)
