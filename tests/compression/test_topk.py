@@ -73,6 +73,24 @@ class TopKReferenceTest(tf.test.TestCase, parameterized.TestCase):
     self.assertTrue(harness.jit_step_compiled(repl, step_fn))
 
 
+class AccountingTest(tf.test.TestCase):
+
+  def test_reported_nnz_is_that_of_the_aggregate(self):
+    # 3000 entries at density 0.1: 300 slots, a long buffer whose non-zeros
+    # the exchange's native kernel counts; 50 entries: a short one.
+    shapes = [(3000,), (50,)]
+    grads = harness.gradients(3, 2, seed=4, shapes=shapes)
+    compressor = TopK(density=0.1)
+    _, _, _, history = harness.run(compressor, grads, 2, shapes=shapes)
+    self.assertGreater(topk.selected_count(3000, 0.1), 128)
+    stats = compressor.communication_stats()["variables"]
+    out = history[-1][0]
+    for v, name in enumerate(("w0", "w1")):
+      want = [int(np.count_nonzero(out[r][v])) for r in range(2)]
+      self.assertEqual(stats[name]["last"]["nnz"], want, msg=name)
+      self.assertGreater(want[0], 0)
+
+
 class ConservationTest(tf.test.TestCase):
 
   def test_conservation_with_checkpoint(self):

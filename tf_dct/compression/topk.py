@@ -85,6 +85,7 @@ class Outcome:
   overflow: tf.Tensor        # int32 entries selected but held back
   extra: dict                # further state key -> new value
   report: dict               # `Compressor.record` arguments (bytes, time, ...)
+  nnz: tf.Tensor | None = None  # int64 non-zeros of `summed`, if counted
 
 
 class ErrorFeedbackCompressor(Compressor):
@@ -180,7 +181,10 @@ class ErrorFeedbackCompressor(Compressor):
       it, out = sparse[i]
       n = v.shape.num_elements()
       report = dict(out.report)
-      nnz = self.aggregate_nnz(r, it.warm)  # it.warm is None without warmup
+      # Counted with the sum where the exchange could (not with warmup: then
+      # the dense part is added in too).
+      nnz = (out.nnz if out.nnz is not None and it.warm is None
+             else self.aggregate_nnz(r, it.warm))  # it.warm: None without warmup
       sent, overflow = out.sent, out.overflow
       if self.warmup_steps:  # the dense all-reduce is issued on every step
         report["reduce_bytes"] = report.get("reduce_bytes", 0) + n * v.dtype.size
@@ -232,8 +236,9 @@ class ErrorFeedbackCompressor(Compressor):
     kept[0][-1]["selection_seconds"] = accounting.stop_timer(
         start, [t for idx, val, _ in buffers for t in (idx, val)], timing)
     # compact() leaves positions increasing with the padding last.
-    summed = sparse_wire.exchange_many(ctx, buffers, presorted=True)
-    return [Outcome(s, *k) for s, k in zip(summed, kept)]
+    summed, nnzs = sparse_wire.exchange_many(ctx, buffers, presorted=True,
+                                             nnz=True)
+    return [Outcome(s, *k, nnz=c) for s, k, c in zip(summed, kept, nnzs)]
 
   def _fixed_threshold(self, item: Item):
     """The threshold to report when `_select` keeps none in its state."""
