@@ -12,10 +12,11 @@ With `--mlp_layers=L` it also times whole training steps: an MLP of L
 hidden layers of `--mlp_width` units (2 L + 2 variables, every buffer short),
 4 replicas, SGD, global batch 256, DCTDP(0.99, threshold_life=1000,
 native=False) (the grouping is a stock-op path; the native kernel selects
-every variable in one op) traced three ways: with the wire's batching off (`BATCH_CAPACITY = 0`), with the
-selection's grouping of small variables off (`dct_dp.FUSE_SIZE = 0`), and
-with both on, against Dense; interleaved blocks, medians. It also prints
-how long each side took to trace and run its first step.
+every variable in one op) traced three ways: with the wire's batching off
+(`BATCH_CAPACITY = 0`), with the selection's grouping of small variables
+off (`dct_dp.FUSE_SIZE = 0`), and with both on, against Dense; interleaved
+blocks, medians. It also prints how long each side took to trace and run
+its first step.
 
 Usage:
   python bench/wire_batching.py                       # ~5 min

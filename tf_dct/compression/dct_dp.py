@@ -96,8 +96,9 @@ them exactly):
   use): per variable the finite check, acc = g + E, the schedule's refresh
   with an O(n) order statistic, the density guard, the mask, the compaction
   and the new residual. It replaces a dozen stock ops per variable, the
-  `tf.cond` of the schedule and the grouping below. After the all-gather one kernel decodes, sums and counts the non-zeros of
-  each long buffer (line 12). Bit for bit the same results (tested).
+  `tf.cond` of the schedule and the grouping above. After the all-gather
+  one kernel decodes, sums and counts the non-zeros of each long buffer
+  (line 12). Bit for bit the same results (tested).
   Without a compiler, on GPU, TPU and under XLA the stock ops run.
 * Index encoding: `index_encoding` ("auto" by default) picks the wire layout
   of positions, see `sparse_wire`; the chunked layouts cut the index bytes
@@ -333,13 +334,19 @@ class DCTDP(Compressor):
       reports[first][0]["selection_seconds"] = accounting.stop_timer(
           start, [t for _, idx, val, _, _ in sparse_items for t in (idx, val)],
           timing)
-      summed, nnzs = sparse_wire.exchange_many(  # DCT Algorithm 1 line 12
+      # With warmup a dense part is added to the sums, so their non-zeros
+      # are counted on the results instead (`_report`), not here too.
+      counted = not self.warmup_steps
+      exchanged = sparse_wire.exchange_many(  # DCT Algorithm 1 line 12
           ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items],
-          encoding=self.index_encoding, presorted=True, nnz=True,
+          encoding=self.index_encoding, presorted=True, nnz=counted,
           use_native=self.native is not False)
+      summed, nnzs = (exchanged if counted
+                      else (exchanged, [None] * len(exchanged)))
       for (i, _, _, _, shape), flat, nnz in zip(sparse_items, summed, nnzs):
         results[i] = tf.reshape(flat, shape)
-        sparse_nnz[i] = nnz
+        if nnz is not None:
+          sparse_nnz[i] = nnz
     self.add_dense_sums(ctx, dense_items, results)
     # State is written only once the collectives completed. Every replica's
     # contribution depends on all of its gradient checks, so when any replica
@@ -362,7 +369,7 @@ class DCTDP(Compressor):
         self.record_dense(v)
         continue
       report, warm = reports[i]
-      nnz = (sparse_nnz[i] if warm is None and i in sparse_nnz
+      nnz = (sparse_nnz[i] if i in sparse_nnz
              else self.aggregate_nnz(r, warm))
       self.record(v, nnz=nnz, **report)
 

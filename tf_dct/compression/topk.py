@@ -85,7 +85,7 @@ class Outcome:
   overflow: tf.Tensor        # int32 entries selected but held back
   extra: dict                # further state key -> new value
   report: dict               # `Compressor.record` arguments (bytes, time, ...)
-  nnz: tf.Tensor | None = None  # int64 non-zeros of `summed`, if counted
+  nnz: tf.Tensor | None = None  # int64 non-zeros of `summed` (None: not counted)
 
 
 class ErrorFeedbackCompressor(Compressor):
@@ -181,9 +181,8 @@ class ErrorFeedbackCompressor(Compressor):
       it, out = sparse[i]
       n = v.shape.num_elements()
       report = dict(out.report)
-      # Counted with the sum where the exchange could (not with warmup: then
-      # the dense part is added in too).
-      nnz = (out.nnz if out.nnz is not None and it.warm is None
+      # Counted by the exchange, except with warmup (see `_exchange`).
+      nnz = (out.nnz if out.nnz is not None
              else self.aggregate_nnz(r, it.warm))  # it.warm: None without warmup
       sent, overflow = out.sent, out.overflow
       if self.warmup_steps:  # the dense all-reduce is issued on every step
@@ -236,8 +235,13 @@ class ErrorFeedbackCompressor(Compressor):
     kept[0][-1]["selection_seconds"] = accounting.stop_timer(
         start, [t for idx, val, _ in buffers for t in (idx, val)], timing)
     # compact() leaves positions increasing with the padding last.
-    summed, nnzs = sparse_wire.exchange_many(ctx, buffers, presorted=True,
-                                             nnz=True)
+    # With warmup a dense part is added to the sums, so their non-zeros are
+    # counted on the results instead (`_report`), not here too.
+    counted = not self.warmup_steps
+    exchanged = sparse_wire.exchange_many(ctx, buffers, presorted=True,
+                                          nnz=counted)
+    summed, nnzs = (exchanged if counted
+                    else (exchanged, [None] * len(exchanged)))
     return [Outcome(s, *k, nnz=c) for s, k, c in zip(summed, kept, nnzs)]
 
   def _fixed_threshold(self, item: Item):

@@ -226,9 +226,9 @@ T OrderStatistic(int64_t n, int64_t m, const T* acc) {
 
 // Per variable v, by modes[v]:
 //   1: refresh: tau = w_m of |acc| (0 when m = 0), then select;
-//   0: reuse taus[v] guarded: select; if the number selected is below
-//      lowest[v] or above highest[v], refresh as for 1 and select again
-//      (early[v] = true);
+//   0: reuse taus[v], guarded: if the number it selects (counted in the
+//      accumulate pass) is below lowest[v] or above highest[v], refresh as
+//      for 1 (early[v] = true); then select;
 //   2: reuse taus[v]: select.
 template <typename T>
 class SelectOp : public OpKernel {
