@@ -16,6 +16,7 @@ from tf_dct.compression import accounting
 from tf_dct.compression import sparse_wire
 from tests import util
 from tests.compression import harness
+from tests.ops import test_native
 
 
 def setUpModule():
@@ -136,20 +137,28 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     self.assertIn("tf_dct/density", events)
     self.assertIn("tf_dct/refreshes/w0", events)
 
-  @parameterized.named_parameters(("DCTDP", lambda: DCTDP(0.8, threshold_life=3)),
-                                  ("TopK", lambda: TopK(0.2)),
-                                  ("CLTK", lambda: CLTK(0.2)),
-                                  ("DEFT", lambda: DEFT(0.2)))
-  def test_selection_time_is_one_span_per_replica_step(self, make):
+  @parameterized.named_parameters(
+      ("DCTDP", lambda: DCTDP(0.8, threshold_life=3, native=False), 2),
+      ("DCTDP_native", lambda: DCTDP(0.8, threshold_life=3), 0),
+      ("TopK", lambda: TopK(0.2), 2),
+      ("CLTK", lambda: CLTK(0.2), 2),
+      ("DEFT", lambda: DEFT(0.2), 2))
+  def test_selection_time_is_one_span_per_replica_step(self, make, stamps):
     # Per-variable timers would serialize the variables' selections (TF runs
     # stateful ops without resource inputs in program order), so there are
     # exactly two Timestamp ops per replica, whatever the variable count.
+    # The native DCT-DP kernel times itself: no Timestamp at all, which
+    # would also serialize the replicas' selections.
+    if stamps == 0:
+      test_native.require_native(self)
     compressor = make()
     repl, step_fn, _, _ = harness.run(compressor, harness.gradients(2, 2), 2)
     step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
     graph = step.get_concrete_function().graph
-    stamps = [op for op in graph.get_operations() if op.type == "Timestamp"]
-    self.assertLen(stamps, 2 * 2)
+    ops = graph.get_operations()
+    self.assertLen([op for op in ops if op.type == "Timestamp"], stamps * 2)
+    if stamps == 0:
+      self.assertLen([op for op in ops if op.type == "TfDctSelect"], 2)
     stats = compressor.communication_stats()
     self.assertTrue(all(s > 0 for s in stats["total"]["selection_seconds"]))
     per_variable = [v["total"]["selection_seconds"]

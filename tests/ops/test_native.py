@@ -45,7 +45,7 @@ def select_one(grad, residual, tau, capacity, mode=native.FIXED, m=0,
                band=(0, 0), message="m"):
   """`native.select` of one variable: (idx, val, residual, tau, selected,
   early) as numpy values."""
-  idx, val, res, taus, selected, early = native.select(
+  idx, val, res, taus, selected, early, _ = native.select(
       [tf.constant(grad)], [tf.constant(residual)],
       tf.constant([tau], grad.dtype), tf.constant([mode], tf.int32),
       [capacity], [m], [band[0]], [band[1]], [message])
@@ -64,13 +64,15 @@ class SelectTest(tf.test.TestCase, parameterized.TestCase):
       ("float32_room", np.float32, 200, 40),
       ("float32_overflow", np.float32, 200, 5),
       ("float64", np.float64, 300, 12),
-      ("capacity_n", np.float32, 7, 7))
+      ("capacity_n", np.float32, 7, 7),
+      ("many_blocks", np.float32, 1000, 30))
   def test_matches_reference(self, dtype, n, capacity):
     rng = np.random.default_rng(n)
     grad = np.round(rng.normal(size=n) * 4).astype(dtype) / 4  # ties, zeros
     residual = np.round(rng.normal(size=n) * 4).astype(dtype) / 8
     residual[:3] = -grad[:3]  # acc exactly 0: never selected, even at tau 0
-    for tau in (0.0, 0.5, 1.25, 100.0):
+    # tau 3 selects under 1%: most blocks of the one-pass kernel hold none.
+    for tau in (0.0, 0.5, 1.25, 3.0, 100.0):
       got = select_one(grad, residual, dtype(tau), capacity)
       want = reference(grad, residual, dtype(tau), capacity)
       for name, g, w in zip(("idx", "val", "residual", "selected"),
@@ -79,6 +81,15 @@ class SelectTest(tf.test.TestCase, parameterized.TestCase):
       self.assertEqual(got[1].dtype, dtype)
       self.assertEqual(got[3], dtype(tau))  # FIXED keeps tau
       self.assertFalse(got[5])
+
+  def test_reports_its_run_time(self):
+    seconds = native.select(
+        [tf.ones([5])], [tf.zeros([5])], tf.constant([0.5]),
+        tf.constant([native.FIXED]), [5], [0], [0], [0], ["m"])[-1]
+    self.assertEqual(seconds.dtype, tf.float64)
+    self.assertEqual(seconds.shape, [])
+    self.assertGreater(float(seconds), 0.0)
+    self.assertTrue(np.isfinite(float(seconds)))
 
   def test_scalar_residual_is_added_to_every_entry(self):
     grad = np.array([0.5, -2.0, 3.0, 0.0], np.float32)

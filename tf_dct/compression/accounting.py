@@ -33,8 +33,12 @@ the totals, not per variable). Why not one span per variable: inside a
 `Timestamp`, in program order, so per-variable timers would make each
 variable's selection wait for the previous one's (measured on
 bench/compression.py's model: 2.97x Dense step time with per-variable timers,
-2.41x without timers). `tf.timestamp` has no XLA kernel, so when the replicator
-compiles steps with XLA (`jit_compile=True`) the time is recorded as 0 and no
+2.41x without timers). The same ordering holds across replicas, which share
+one graph under MirroredStrategy: one replica's span starts after the previous
+replica's ends, so the replicas' selections run one after another. DCT-DP's
+native kernel therefore times itself instead, and a step whose selection is
+all native has no timestamps. `tf.timestamp` has no XLA kernel, so when the
+replicator compiles steps with XLA (`jit_compile=True`) the time is recorded as 0 and no
 summaries are written (the summary ops have no XLA kernels either). The
 detection only sees the replicator's own flag: set
 `compressor.time_selection = False` when calling it from a function of your

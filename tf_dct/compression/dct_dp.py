@@ -109,6 +109,9 @@ them exactly):
   tau, and the counters "refreshes", "overflow" (and "early_refreshes" with
   a density band); the step's selection time (accumulators to packed
   buffers, all variables in one span) goes with the first compressed one.
+  When every selected variable goes through the native kernel, the span is
+  the kernel's own run time (it times itself): timestamps around it would
+  make the replicas' selections wait for each other (see `accounting`).
 
 State per compressed variable and replica: `residual` (E, variable shape),
 `threshold` (tau, scalar), `step` (k, int64), and two int32 statistics of the
@@ -315,13 +318,20 @@ class DCTDP(Compressor):
                    tf.zeros([], v.dtype))
       else:  # the kernel adds the residual (line 2) as it reads
         accs[i] = (tf.reshape(g, [-1]), tf.reshape(values[i]["residual"], [-1]))
-    # One selection-time span for all variables (see `accounting`).
-    start = accounting.start_timer(tf.nest.flatten(list(accs.values())), timing)
+    # Selection time: the native kernels time themselves (summed). With
+    # stock ops, one span of timestamps around all variables (see
+    # `accounting`); it is kept off a native-only step, whose timestamps
+    # would run the replicas' selections one after another.
+    stamped = timing and not all(native_group for native_group, _ in groups)
+    start = accounting.start_timer(tf.nest.flatten(list(accs.values())),
+                                   stamped)
+    kernel_seconds = []
     for native_group, members in groups:
       sparsify = self._select_native if native_group else self._sparsify
-      items, dense_parts, write, group_reports = sparsify(
+      items, dense_parts, write, group_reports, seconds = sparsify(
           [(accs[i], variables[i], states[i], values[i]) for i in members],
-          start)
+          start if stamped else None)
+      kernel_seconds.append(seconds)
       sparse_items += [(i,) + item for i, item in zip(members, items)]
       dense_items += [(i, d) for i, d in zip(members, dense_parts)
                       if d is not None]
@@ -331,9 +341,10 @@ class DCTDP(Compressor):
     sparse_nnz = {}  # position -> non-zeros of its exchanged sum
     if sparse_items:
       first = sparse_items[0][0]
-      reports[first][0]["selection_seconds"] = accounting.stop_timer(
-          start, [t for _, idx, val, _, _ in sparse_items for t in (idx, val)],
-          timing)
+      reports[first][0]["selection_seconds"] = (
+          accounting.stop_timer(start, [t for _, idx, val, _, _ in sparse_items
+                                        for t in (idx, val)], stamped)
+          if stamped or not timing else tf.add_n(kernel_seconds))
       # With warmup a dense part is added to the sums, so their non-zeros
       # are counted on the results instead (`_report`), not here too.
       counted = not self.warmup_steps
@@ -437,7 +448,8 @@ class DCTDP(Compressor):
     as flat vectors instead of acc (E may be a scalar 0), and the kernel
     checks g and adds E (`native_ops.select`). Every variable keeps its own
     threshold, schedule, capacity and residual; the kernel takes each one's
-    branch (refresh, guard, reuse) itself, so no `tf.cond` is built.
+    branch (refresh, guard, reuse) itself, so no `tf.cond` is built. The
+    last result is the kernel's own run time (float64 seconds).
     """
     pairs, variables, states, sizes, below, caps, k, old_tau = self._unpack(
         group)
@@ -457,9 +469,8 @@ class DCTDP(Compressor):
     if warm is not None:  # a warm variable selects nothing: tau = inf
       modes = tf.where(warm, native_ops.FIXED, modes)
       taus = tf.where(warm, tf.constant(np.inf, dtype), old_tau)
-    timed = [start] if self.timing_enabled else []
-    with tf.control_dependencies(timed):
-      idxs, vals, residuals, tau, selected, early = native_ops.select(
+    with tf.control_dependencies([start] if start is not None else []):
+      idxs, vals, residuals, tau, selected, early, seconds = native_ops.select(
           [g for g, _ in pairs], [e for _, e in pairs], taus, modes, caps,
           below, lowest, highest,
           [error_feedback.non_finite_message("DCTDP", v) for v in variables])
@@ -468,7 +479,7 @@ class DCTDP(Compressor):
     refresh = tf.logical_or(due, early)
     return self._finish(variables, states, sizes, caps, tau, refresh,
                         early if self.density_band is not None else None,
-                        warm, selected, idxs, vals, residuals)
+                        warm, selected, idxs, vals, residuals) + (seconds,)
 
   def _sparsify(self, group, start):
     """Lines 3-11 for a group of variables of one dtype, with stock ops.
@@ -484,13 +495,15 @@ class DCTDP(Compressor):
       group: `(acc, variable, state, values)` per variable, acc = g + E
         (line 2) as a flat vector, all of one dtype, and `values` the state's
         step and threshold as read after the gradient checks.
-      start: the step's selection timer (every selection op waits for it).
+      start: the step's selection timer (every selection op waits for it),
+        or None when selection is not stamped.
 
     Returns:
       Per variable the wire buffers `(idx, val, n, shape)` and the dense part
       (warmup only, else None); a closure that writes the new state of every
       variable of the group; per variable what to report to the accounting
-      (`record` arguments, and the warmup flag).
+      (`record` arguments, and the warmup flag); and the seconds a native
+      kernel measured itself (None here).
     """
     accs, variables, states, sizes, below, caps, k, old_tau = self._unpack(
         group)
@@ -499,7 +512,7 @@ class DCTDP(Compressor):
     # Per entry, the value of its variable in a vector of per-variable values.
     per_entry = (lambda t: t[0]) if one else (lambda t: tf.gather(t, seg))
     split = (lambda t: [t]) if one else (lambda t: tf.split(t, sizes))
-    timed = [start] if self.timing_enabled else []
+    timed = [start] if start is not None else []
     flat = accs[0] if one else tf.concat(accs, 0)
     with tf.control_dependencies(timed):
       magnitude = tf.abs(flat)
@@ -559,7 +572,7 @@ class DCTDP(Compressor):
     split_slots = (lambda t: [t]) if one else (lambda t: tf.split(t, caps))
     return self._finish(variables, states, sizes, caps, tau, refresh, early,
                         warm, selected, split_slots(idx), split_slots(val),
-                        split(new_residual))
+                        split(new_residual)) + (None,)
 
   def _finish(self, variables, states, sizes, caps, tau, refresh, early, warm,
               selected, idxs, vals, residuals):

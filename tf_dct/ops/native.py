@@ -181,11 +181,14 @@ def select(grads, residuals, taus: tf.Tensor, modes: tf.Tensor,
       finite (InvalidArgumentError, as `tf.debugging.check_numerics` raises).
 
   Returns:
-    `(idx, val, new_residuals, new_taus, selected, early)`: per variable
-    int32[capacity] positions (padding n) and values (padding 0), exactly
-    what `sparse_wire.compact` gives, and acc with the packed entries
-    zeroed; then [V] taus used, int32[V] entries selected before the capacity
-    cut, bool[V] whether the guard refreshed.
+    `(idx, val, new_residuals, new_taus, selected, early, seconds)`: per
+    variable int32[capacity] positions (padding n) and values (padding 0),
+    exactly what `sparse_wire.compact` gives, and acc with the packed
+    entries zeroed; then [V] taus used, int32[V] entries selected before the
+    capacity cut, bool[V] whether the guard refreshed; and the op's own run
+    time (float64 seconds), the selection time without `tf.timestamp` ops
+    (which TensorFlow would run in program order, one replica's selection
+    after another's).
 
   Raises:
     RuntimeError: the native library is unavailable (see `library`).

@@ -3,16 +3,22 @@
 // give.
 //
 // TfDctSelect: DCT-DP (DCT Algorithm 1) lines 2-11 for all of one replica's
-// variables in one op: per variable, acc = grad + residual (line 2); on a
-// refresh the threshold tau as the order statistic of |acc| in O(n) (lines
+// variables in one op. Per variable: acc = grad + residual (line 2); the
+// threshold tau, on a refresh the order statistic of |acc| in O(n) (lines
 // 4-5), else the old tau (line 7), checked by the density guard of
 // tf_dct/compression/dct_dp.py, which refreshes early when the old tau
 // selects too few or too many; the mask |acc| >= tau, zeros excepted (line
 // 9); the first `capacity` selected entries packed, in position order, into
 // fixed (idx, val) buffers, padding n and 0 (line 10); the new residual, acc
 // with the packed entries zeroed (line 11); and the number selected before
-// the capacity cut. One op instead of one per variable saves the per-op
-// dispatch that dominates small variables.
+// the capacity cut. With the old tau, lines 2 and 9-11 are one pass (grad
+// and residual read once, the new residual written once); when the guard
+// then refreshes, the packed entries go back into acc and lines 4-5 and
+// 9-11 run on it. The op also returns its own run time in seconds (the
+// selection time of the accounting): tf.timestamp ops around it would run
+// the replicas' selections one after another, since TensorFlow runs
+// stateful ops without resource inputs in program order. One op instead of
+// one per variable saves the per-op dispatch that dominates small variables.
 //
 // A non-finite gradient entry fails the op with InvalidArgument and the
 // variable's message, as tf.debugging.check_numerics would, so nothing
@@ -26,6 +32,7 @@
 // values in slot order starting from +0, as tf.math.unsorted_segment_sum does.
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -87,6 +94,7 @@ REGISTER_OP("TfDctSelect")
     .Output("new_taus: T")
     .Output("selected: int32")
     .Output("early: bool")
+    .Output("seconds: double")
     .Attr("T: {float, double}")
     .Attr("N: int >= 1")
     .Attr("capacities: list(int)")
@@ -110,6 +118,7 @@ REGISTER_OP("TfDctSelect")
         c->set_output(2 * n + v, c->input(v));
       }
       for (int64_t k = 0; k < 3; ++k) c->set_output(3 * n + k, c->Vector(n));
+      c->set_output(3 * n + 3, c->Scalar());
       return absl::OkStatus();
     });
 
@@ -163,6 +172,91 @@ int64_t Accumulate(int64_t n, const T* grad, const T* residual, bool scalar,
   return count;
 }
 
+// Lines 2 and 9-11 of one variable in one pass over its entries, for a
+// threshold known before the pass (a reused tau): out[i] = grad[i] +
+// residual as in AccumulateLoop, and the entries with |out[i]| >= tau, zeros
+// excepted, packed in position order into (idx, val) and zeroed in out, the
+// first `capacity` of them (Pack's result, without a second pass over out).
+// Blocks of kBlock entries are accumulated by the vectorized loop; only a
+// block holding a selected entry is looked at again, while it is still in
+// the cache. Returns the number selected before the capacity cut and flags
+// non-finite (and NaN) gradient entries; idx/val beyond the selected are left
+// for the caller to pad.
+template <typename T, bool kScalar>
+inline int64_t AccumulatePackLoop(int64_t n, const T* grad, const T* residual,
+                                  T tau, int64_t capacity, T* out,
+                                  int32_t* idx, T* val, int* bad, int* nan) {
+  constexpr int64_t kBlock = 32;
+  int64_t selected = 0;
+  int not_finite = 0, not_a_number = 0;
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t end = std::min(n, start + kBlock);
+    int64_t hits = 0;
+    for (int64_t i = start; i < end; ++i) {
+      const T g = grad[i];
+      not_finite |= !(g - g == T(0));
+      not_a_number |= (g != g);
+      const T a = kScalar ? (residual[0] == T(0) ? g : g + residual[0])
+                          : g + residual[i];
+      const T magnitude = std::fabs(a);
+      hits += (magnitude >= tau) & (magnitude > T(0));
+      out[i] = a;
+    }
+    if (hits == 0) continue;
+    for (int64_t i = start; i < end; ++i) {
+      const T magnitude = std::fabs(out[i]);
+      if (magnitude >= tau && magnitude > T(0)) {          // line 9
+        if (selected < capacity) {                          // line 10
+          idx[selected] = static_cast<int32_t>(i);
+          val[selected] = out[i];
+          out[i] = T(0);                                    // line 11
+        }  // else selected but no slot: kept, like the unselected
+        ++selected;
+      }
+    }
+  }
+  *bad = not_finite;
+  *nan = not_a_number;
+  return selected;
+}
+
+// AccumulatePackLoop with out taking over grad's buffer or not (see
+// Accumulate).
+template <typename T>
+int64_t AccumulatePack(int64_t n, const T* grad, const T* residual,
+                       bool scalar, T tau, int64_t capacity, T* out,
+                       int32_t* idx, T* val, bool* finite, bool* nan) {
+  int bad, not_a_number;
+  int64_t selected;
+  if (out == grad) {
+    selected = scalar ? AccumulatePackLoop<T, true>(n, out, residual, tau,
+                                                    capacity, out, idx, val,
+                                                    &bad, &not_a_number)
+                      : AccumulatePackLoop<T, false>(n, out, residual, tau,
+                                                     capacity, out, idx, val,
+                                                     &bad, &not_a_number);
+  } else {
+    selected = scalar ? AccumulatePackLoop<T, true>(n, grad, residual, tau,
+                                                    capacity, out, idx, val,
+                                                    &bad, &not_a_number)
+                      : AccumulatePackLoop<T, false>(n, grad, residual, tau,
+                                                     capacity, out, idx, val,
+                                                     &bad, &not_a_number);
+  }
+  *finite = !bad;
+  *nan = not_a_number;
+  return selected;
+}
+
+// Fills the slots after the first `used` of (idx, val) with padding: n and 0.
+template <typename T>
+void Pad(int64_t n, int64_t used, int64_t capacity, int32_t* idx, T* val) {
+  for (int64_t j = used; j < capacity; ++j) {
+    idx[j] = static_cast<int32_t>(n);
+    val[j] = T(0);
+  }
+}
+
 // Lines 9-11 of one variable whose accumulator is in `acc`: the mask |acc| >=
 // tau, zeros excepted; the first `capacity` selected entries packed in
 // position order into (idx, val), padding n and 0, and zeroed in acc (which
@@ -184,10 +278,7 @@ int64_t Pack(int64_t n, T tau, int64_t capacity, T* acc, int32_t* idx,
       ++selected;
     }
   }
-  for (int64_t j = std::min(selected, capacity); j < capacity; ++j) {
-    idx[j] = static_cast<int32_t>(n);
-    val[j] = T(0);
-  }
+  Pad(n, std::min(selected, capacity), capacity, idx, val);
   return selected;
 }
 
@@ -253,6 +344,7 @@ class SelectOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
+    const auto began = std::chrono::steady_clock::now();
     const Tensor& taus_t = ctx->input(2 * num_);
     const Tensor& modes_t = ctx->input(2 * num_ + 1);
     OP_REQUIRES(ctx, taus_t.NumElements() == num_ && modes_t.NumElements() == num_,
@@ -300,21 +392,40 @@ class SelectOp : public OpKernel {
       T* acc = out_t->flat<T>().data();
       T tau = taus[v];
       bool finite, nan;
-      const int64_t reused = Accumulate(n, g, r, scalar, tau, acc, &finite,
-                                        &nan);                        // line 2
-      OP_REQUIRES(ctx, finite, NonFinite(messages_[v], nan));
-      // The guard refreshes early when the old tau selects too few or too
-      // many.
-      const bool early = modes[v] == 0 &&
-                         (reused < lowest_[v] || reused > highest_[v]);
-      if (modes[v] == 1 || early) {                       // lines 4-5
-        tau = below_[v] == 0 ? T(0) : OrderStatistic(n, below_[v], acc);
+      int64_t selected;
+      if (modes[v] == 1) {  // refresh: tau comes from the accumulator
+        Accumulate(n, g, r, scalar, tau, acc, &finite, &nan);       // line 2
+        OP_REQUIRES(ctx, finite, NonFinite(messages_[v], nan));
+        tau = below_[v] == 0 ? T(0) : OrderStatistic(n, below_[v], acc);  // lines 4-5
+        selected = Pack(n, tau, capacity, acc, idx, val);           // lines 9-11
+      } else {  // reuse tau (line 7): one pass
+        selected = AccumulatePack(n, g, r, scalar, tau, capacity, acc, idx,
+                                  val, &finite, &nan);  // lines 2, 9-11
+        OP_REQUIRES(ctx, finite, NonFinite(messages_[v], nan));
+        Pad(n, std::min(selected, capacity), capacity, idx, val);
       }
-      const int64_t selected = Pack(n, tau, capacity, acc, idx, val);
+      // The guard refreshes early when the old tau selects too few or too
+      // many: the packed entries go back into the accumulator, which is then
+      // selected from anew with a fresh tau.
+      const bool early = modes[v] == 0 &&
+                         (selected < lowest_[v] || selected > highest_[v]);
+      if (early) {
+        for (int64_t j = 0; j < std::min(selected, capacity); ++j) {
+          acc[idx[j]] = val[j];
+        }
+        tau = below_[v] == 0 ? T(0) : OrderStatistic(n, below_[v], acc);  // lines 4-5
+        selected = Pack(n, tau, capacity, acc, idx, val);           // lines 9-11
+      }
       new_taus_t->flat<T>()(v) = tau;
       selected_t->flat<int32_t>()(v) = static_cast<int32_t>(selected);
       early_t->flat<bool>()(v) = early;
     }
+    Tensor* seconds_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3 * num_ + 3, TensorShape({}),
+                                             &seconds_t));
+    seconds_t->scalar<double>()() =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - began)
+            .count();
   }
 
  private:
