@@ -79,6 +79,24 @@ class PrivateApiTest(tf.test.TestCase):
 
     dynamic(tf.constant(1))
 
+  def test_run_independently_takes_a_stateful_op_out_of_program_order(self):
+    stamps = {}
+
+    def build(independent):
+      first, second = tf.timestamp(), tf.timestamp()
+      if independent:
+        _private.run_independently(second.op)
+      stamps[independent] = (first.op, second.op)
+      return second - first
+
+    for independent in (False, True):
+      tf.function(lambda i=independent: build(i)).get_concrete_function()
+      first, second = stamps[independent]
+      # In program order the second waits for the first; independent, not.
+      self.assertEqual(first in second.control_inputs, not independent,
+                       msg=f"independent={independent}")
+
 
 if __name__ == "__main__":
   tf.test.main()
+

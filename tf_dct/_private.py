@@ -158,8 +158,34 @@ def static_replica_id(ctx: tf.distribute.ReplicaContext) -> int | None:
   return int(value)
 
 
+def run_independently(op: tf.Operation) -> None:
+  """Exempts the stateful `op` from the program order of a `tf.function`.
+
+  Automatic control dependencies run stateful ops without resource inputs
+  (e.g. `Timestamp`) one after another in the order they were built. Under
+  MirroredStrategy all replicas build into one graph, so a replica's
+  timestamps waited for the previous replica's, and with them the work
+  they time. This marks `op` through the graph's
+  `experimental_acd_manager.run_independently` (the mechanism TF uses for
+  TPU infeed ops): it keeps its own control inputs and must still run, but
+  joins no chain. Does nothing when eager or outside automatic control
+  dependencies.
+  """
+  manager = getattr(op.graph, "experimental_acd_manager", None)
+  if manager is not None:
+    manager.run_independently(op)
+
+
 def check() -> None:
   """Raises AssertionError if a private API we rely on has drifted."""
+  from tensorflow.python.framework import auto_control_deps as acd  # pylint: disable=g-import-not-at-top
+  assert callable(getattr(acd.AutomaticControlDependencies,
+                          "run_independently", None)), (
+      "AutomaticControlDependencies.run_independently is gone")
+  assert "experimental_acd_manager = self" in inspect.getsource(
+      acd.AutomaticControlDependencies.__enter__), (
+          "AutomaticControlDependencies no longer sets "
+          "graph.experimental_acd_manager")
   assert isinstance(mirrored_strategy.MirroredStrategy._collective_key_base, int), (
       "MirroredStrategy._collective_key_base is gone")
   src = inspect.getsource(mirrored_strategy.MirroredExtended.__init__)

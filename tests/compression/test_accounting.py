@@ -64,6 +64,18 @@ def _events(logdir):
   return out
 
 
+def _upstream(op):
+  """Every op that `op` waits for, through data and control inputs."""
+  seen, todo = set(), [op]
+  while todo:
+    current = todo.pop()
+    for before in [t.op for t in current.inputs] + list(current.control_inputs):
+      if before not in seen:
+        seen.add(before)
+        todo.append(before)
+  return seen
+
+
 class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_ring_formulas(self):
@@ -147,8 +159,9 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     # Per-variable timers would serialize the variables' selections (TF runs
     # stateful ops without resource inputs in program order), so there are
     # exactly two Timestamp ops per replica, whatever the variable count.
-    # The native DCT-DP kernel times itself: no Timestamp at all, which
-    # would also serialize the replicas' selections.
+    # Nor may one replica's timestamps wait for another's: in program order
+    # they ran the replicas' selections one after another. The native DCT-DP
+    # kernel times itself: no Timestamp at all.
     if stamps == 0:
       test_native.require_native(self)
     compressor = make()
@@ -157,6 +170,12 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     graph = step.get_concrete_function().graph
     ops = graph.get_operations()
     self.assertLen([op for op in ops if op.type == "Timestamp"], stamps * 2)
+    replica = lambda op: op.name.split("/")[0] if op.name.startswith(
+        "replica_") else "replica_0"
+    for op in ops:
+      if op.type == "Timestamp":
+        self.assertEmpty([o.name for o in _upstream(op) if o.type == "Timestamp"
+                          and replica(o) != replica(op)], msg=op.name)
     if stamps == 0:
       self.assertLen([op for op in ops if op.type == "TfDctSelect"], 2)
     stats = compressor.communication_stats()

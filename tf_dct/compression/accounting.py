@@ -28,19 +28,20 @@ local density is the entries this replica sent / N.
 Selection time is measured with `tf.timestamp()` around a compressor's
 selection ops: one span per replica and step around the selection of all its
 variables, recorded with the step's first compressed variable (read it from
-the totals, not per variable). Why not one span per variable: inside a
-`tf.function` TensorFlow runs stateful ops without resource inputs, such as
-`Timestamp`, in program order, so per-variable timers would make each
-variable's selection wait for the previous one's (measured on
-bench/compression.py's model: 2.97x Dense step time with per-variable timers,
-2.41x without timers). The same ordering holds across replicas, which share
-one graph under MirroredStrategy: one replica's span starts after the previous
-replica's ends, so the replicas' selections run one after another. DCT-DP's
-native kernel therefore times itself instead, and a step whose selection is
-all native has no timestamps. `tf.timestamp` has no XLA kernel, so when the
-replicator compiles steps with XLA (`jit_compile=True`) the time is recorded as 0 and no
-summaries are written (the summary ops have no XLA kernels either). The
-detection only sees the replicator's own flag: set
+the totals, not per variable). Inside a `tf.function` TensorFlow runs
+stateful ops without resource inputs, such as `Timestamp`, in program order.
+Per-variable timers made each variable's selection wait for the previous
+one's (measured on bench/compression.py's model: 2.97x Dense step time with
+per-variable timers, 2.41x without timers). Across replicas, which share one
+graph under MirroredStrategy, one replica's span started only after the
+previous replica's had ended, so the replicas' selections ran one after
+another. The timestamps are therefore taken outside that order
+(`_private.run_independently`): each waits only for the tensors it times.
+DCT-DP's native kernel times itself, and a step whose selection is all
+native has no timestamps. `tf.timestamp` has no XLA kernel, so when the
+replicator compiles steps with XLA (`jit_compile=True`) the time is recorded
+as 0 and no summaries are written (the summary ops have no XLA kernels
+either). The detection only sees the replicator's own flag: set
 `compressor.time_selection = False` when calling it from a function of your
 own compiled with `jit_compile=True`.
 """
@@ -52,6 +53,8 @@ from typing import Mapping
 
 import numpy as np
 import tensorflow as tf
+
+from tf_dct import _private
 
 # Additive per-step fields, in the order of the stored vectors.
 FIELDS = ("payload_bytes", "bytes_sent", "bytes_received", "dense_bytes",
@@ -135,20 +138,28 @@ def _as_float64_vector(values) -> tf.Tensor:
   return tf.stack([tf.cast(v, tf.float64) for v in values])
 
 
+def _timestamp(after) -> tf.Tensor:
+  """`tf.timestamp()` once `after` exist, outside the program order of
+  stateful ops (`_private.run_independently`)."""
+  with tf.control_dependencies(tf.nest.flatten(after)):
+    stamp = tf.timestamp()
+  if not tf.executing_eagerly():
+    _private.run_independently(stamp.op)
+  return stamp
+
+
 def start_timer(inputs, enabled: bool):
   """A timestamp taken after `inputs` exist (0 when not `enabled`)."""
   if not enabled:
     return tf.zeros([], tf.float64)
-  with tf.control_dependencies(tf.nest.flatten(inputs)):
-    return tf.timestamp()
+  return _timestamp(inputs)
 
 
 def stop_timer(start: tf.Tensor, outputs, enabled: bool):
   """Seconds from `start` until `outputs` exist (0 when not `enabled`)."""
   if not enabled:
     return tf.zeros([], tf.float64)
-  with tf.control_dependencies(tf.nest.flatten(outputs)):
-    return tf.timestamp() - start
+  return _timestamp(outputs) - start
 
 
 def _scalar_metadata():
