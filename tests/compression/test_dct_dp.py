@@ -380,8 +380,10 @@ class NativeTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(runs[True][2].count("TfDctSelect"), 2)
     self.assertIn("TopKV2", runs[False][2])
     self.assertNotIn("TopKV2", runs[True][2])
-    self.assertIn("TfDctScatterSum", runs[True][2])
-    self.assertNotIn("TfDctScatterSum", runs[False][2])
+    # One payload and one decode per replica for all variables' buffers.
+    for kind in ("TfDctEncode", "TfDctGatherSum"):
+      self.assertEqual(runs[True][2].count(kind), 2)
+      self.assertNotIn(kind, runs[False][2])
     # The kernel checks the gradients it reads: no CheckNumerics left.
     self.assertIn("CheckNumerics", runs[False][2])
     self.assertNotIn("CheckNumerics", runs[True][2])

@@ -154,7 +154,7 @@ class CompactTest(tf.test.TestCase, parameterized.TestCase):
       sparse_wire.compact(acc, mask, 2, ends=tf.zeros([4], tf.int64))
 
 
-class ExchangeTest(tf.test.TestCase):
+class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_sums_every_replica_on_four_replicas(self):
     n, capacity = 12, 5
@@ -189,10 +189,18 @@ class ExchangeTest(tf.test.TestCase):
       self.assertAllEqual(single, out[0][0])  # identical on every replica
     self.assertEqual([o[2] for o in out], [4, 5, 2, 0])
 
-  def test_many_vectors_and_dtypes_share_one_gather_per_dtype(self):
-    # float32 values travel with the int32 index words (one stream), float64
-    # values in a second stream: one all-gather call of 2 tensors per replica
-    # for 4 vectors of different encodings, instead of 8 tensors.
+  @parameterized.named_parameters(
+      ("stock", False, [tf.int32, tf.float64]),
+      ("native", None, [tf.int32, tf.int32]))
+  def test_many_vectors_and_dtypes_share_one_gather_per_dtype(self, use_native,
+                                                                streams):
+    # Stock ops: float32 values travel with the int32 index words (one
+    # stream), float64 values in a second stream. Native kernels: one int32
+    # payload per value dtype. Either way one all-gather call of 2 tensors
+    # per replica for 4 vectors of different encodings, instead of 8 tensors.
+    if use_native is None:
+      test_native.require_native(self)
+      use_native = True
     replicas = 2
     rng = np.random.default_rng(4)
     specs = [(300, 6, tf.float32, "chunk8"), (12, 5, tf.float32, "int32"),
@@ -223,16 +231,15 @@ class ExchangeTest(tf.test.TestCase):
       many = sparse_wire.exchange_many(
           Counting(ctx), [(tf.constant(i), tf.constant(v), n)
                           for (i, v), (n, _, _, _) in zip(data[r], specs)],
-          presorted=True)
-      single = [sparse_wire.exchange(ctx, tf.constant(i), tf.constant(v), n,
-                                     encoding=enc, presorted=True)
+          presorted=True, use_native=use_native)
+      single = [sparse_wire.exchange_many(
+          ctx, [(tf.constant(i), tf.constant(v), n)], encoding=enc,
+          presorted=True, use_native=False)[0]
                 for (i, v), (n, _, _, enc) in zip(data[r], specs)]
       return many, single
 
     out = util.local(repl, tf.function(lambda: repl.run(fn))())
-    # One call per replica, one int32 stream (index words and float32 values)
-    # and one float64 stream.
-    self.assertEqual(calls, [[tf.int32, tf.float64]] * replicas)
+    self.assertEqual(calls, [streams] * replicas)
     for many, single in out:
       for t, (n, _, dtype, _) in enumerate(specs):
         want = np.zeros(n)
@@ -242,15 +249,16 @@ class ExchangeTest(tf.test.TestCase):
         self.assertAllClose(many[t], want, atol=1e-6, rtol=0)
         self.assertAllEqual(many[t], single[t])
 
-  def test_long_buffers_native_and_stock_agree_bit_for_bit(self):
-    # Buffers above BATCH_CAPACITY go one by one: on CPU through the native
-    # decode-scatter-count kernel, else through decode_indices + scatter_sum.
+  def test_native_and_stock_agree_bit_for_bit(self):
+    # On CPU the native kernels encode a replica's buffers into one payload
+    # and decode, sum and count them; the stock ops batch the short buffers
+    # and take the long ones (above BATCH_CAPACITY) one by one.
     test_native.require_native(self)
     replicas = 2
     rng = np.random.default_rng(8)
     specs = [(3000, 200, tf.float32, "chunk8"), (900, 150, tf.float32, "int32"),
-             (70000, 300, tf.float64, "chunk16"), (5000, 140, tf.float32, "auto")]
-    self.assertTrue(all(cap > sparse_wire.BATCH_CAPACITY for _, cap, _, _ in specs))
+             (70000, 300, tf.float64, "chunk16"), (5000, 140, tf.float32, "auto"),
+             (400, 20, tf.float32, "chunk8"), (60, 9, tf.float64, "int32")]
     data = []
     for r in range(replicas):
       per = []
@@ -264,26 +272,47 @@ class ExchangeTest(tf.test.TestCase):
       data.append(per)
     data[1][0][0][:3] = data[0][0][0][:3]  # shared positions ...
     data[1][0][1][:3] = -data[0][0][1][:3]  # ... that cancel to exact zeros
+    idx, val = data[1][0]
+    used = idx < specs[0][0]
+    assert len(set(idx[used])) == used.sum()  # still distinct
+    order = np.argsort(idx[used], kind="stable")  # increasing again
+    idx[used], val[used] = idx[used][order], val[used][order]
     repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
 
-    def fn(use_native, encoding):
+    def fn(use_native, together):
       ctx = tf.distribute.get_replica_context()
       r = tf.get_static_value(ctx.replica_id_in_sync_group)
-      outs = []
-      for (i, v), (n, _, _, enc) in zip(data[r], specs):
-        outs.append(sparse_wire.exchange_many(
-            ctx, [(tf.constant(i), tf.constant(v), n)],
-            encoding=encoding or enc, presorted=True, nnz=True,
-            use_native=use_native))
-      return outs
+      buffers = [(tf.constant(i), tf.constant(v), n)
+                 for (i, v), (n, _, _, _) in zip(data[r], specs)]
+      if together:  # "auto" for every buffer, one exchange
+        sums, counts = sparse_wire.exchange_many(
+            ctx, buffers, presorted=True, nnz=True, use_native=use_native)
+        return [([s], [c]) for s, c in zip(sums, counts)]
+      return [sparse_wire.exchange_many(
+          ctx, [buffer], encoding=enc, presorted=True, nnz=True,
+          use_native=use_native) for buffer, (_, _, _, enc) in zip(buffers, specs)]
 
     runs = {}
-    for use_native in (True, False):
-      step = tf.function(lambda u=use_native: repl.run(fn, args=(u, None)))
+    for use_native, together in ((True, False), (False, False), (True, True),
+                                 (False, True)):
+      step = tf.function(lambda u=use_native, t=together: repl.run(
+          fn, args=(u, t)))
       graph = step.get_concrete_function().graph.as_graph_def()
-      self.assertEqual(any(node.op == "TfDctScatterSum" for node in graph.node),
-                       use_native)
-      runs[use_native] = util.local(repl, step())
+      kinds = [node.op for node in graph.node]
+      # Together: per replica one payload per value dtype, one decode each.
+      self.assertEqual(kinds.count("TfDctEncode"),
+                       use_native * replicas * (2 if together else len(specs)))
+      self.assertEqual(kinds.count("TfDctGatherSum"),
+                       kinds.count("TfDctEncode"))
+      runs[(use_native, together)] = util.local(repl, step())
+    for r in range(replicas):  # "auto" in one exchange: the same sums
+      for t in range(len(specs)):
+        for use_native in (True, False):
+          self.assertAllEqual(runs[(use_native, True)][r][t][0][0],
+                              runs[(True, False)][r][t][0][0])
+          self.assertEqual(int(runs[(use_native, True)][r][t][1][0]),
+                           int(runs[(True, False)][r][t][1][0]))
+    runs = {u: runs[(u, False)] for u in (True, False)}
     for r in range(replicas):
       for t, (n, _, dtype, _) in enumerate(specs):
         (fast, fast_nnz), (slow, slow_nnz) = (runs[True][r][t],

@@ -254,25 +254,25 @@ class RefreshTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllEqual(got[5], [False, False, False, True])
 
 
-class ScatterSumTest(tf.test.TestCase, parameterized.TestCase):
+class WireTest(tf.test.TestCase, parameterized.TestCase):
+  """`encode` and `gather_sum` against the stock wire ops."""
 
   def setUp(self):
     super().setUp()
     require_native(self)
-
-  def _layout(self, enc):
-    return dict(chunk=enc.chunk, count_bytes=enc.count_bytes,
-                offset_bytes=enc.offset_bytes, count_words=enc.count_words)
 
   @parameterized.named_parameters(
       ("int32_float32", "int32", np.float32, 300, 40),
       ("chunk8_float32", "chunk8", np.float32, 1000, 60),
       ("chunk8_wide_counts", "chunk8", np.float32, 3000, 300),  # 2-byte counts
       ("chunk16_float64", "chunk16", np.float64, 70000, 50))
-  def test_matches_stock_decode_scatter_and_count(self, name, dtype, n, cap):
+  def test_matches_stock_encode_decode_scatter_and_count(self, name, dtype, n,
+                                                         cap):
     enc = sparse_wire.make_encoding(name, n, cap)
+    # A second, short "int32" vector shares each payload.
+    short = sparse_wire.make_encoding("int32", 12, 3)
     rng = np.random.default_rng(n)
-    words, vals, positions = [], [], []
+    payloads, words, vals, positions = [], [], [], []
     for r in range(4):
       used = cap - 3 * r  # some padding, more on later replicas
       pos = np.sort(rng.choice(n, size=used, replace=False))
@@ -282,36 +282,82 @@ class ScatterSumTest(tf.test.TestCase, parameterized.TestCase):
       idx[:pos.size] = pos
       val = rng.normal(size=cap).astype(dtype)
       val[pos.size:] = 0
-      words.append(sparse_wire.encode_indices(tf.constant(idx), enc))
+      if r == 3:
+        val[1] = -vals[2][1] - vals[1][1] - vals[0][1]  # may cancel at 1
+      short_idx = np.int32([5, 12, r])  # unsorted is fine for "int32"
+      short_val = np.asarray([1.0, 9.0, -1.0], dtype)
+      payload = native.encode([tf.constant(idx), tf.constant(short_idx)],
+                              [tf.constant(val), tf.constant(short_val)],
+                              [enc, short])
+      # Index words bit for bit as the stock encoder lays them, then values.
+      stock = sparse_wire.encode_indices(tf.constant(idx), enc)
+      per_value = np.dtype(dtype).itemsize // 4
+      self.assertAllEqual(payload[:enc.words], stock)
+      self.assertAllEqual(payload[enc.words:enc.words + 3], short_idx)
+      self.assertAllEqual(
+          tf.bitcast(tf.reshape(payload[enc.words + 3:
+                                        enc.words + 3 + cap * per_value],
+                                [cap, per_value] if per_value > 1 else [cap]),
+                     tf.as_dtype(dtype)), val)
+      self.assertEqual(payload.shape[0],
+                       enc.words + 3 + (cap + 3) * per_value)
+      payloads.append(payload)
+      words.append(stock)
       vals.append(val)
       positions.append(idx)
-    vals[3][1] = -vals[2][1] - vals[1][1] - vals[0][1]  # may cancel at 1
-    words, vals = tf.stack(words), np.stack(vals)
-    dense, nnz = native.scatter_sum(words, tf.constant(vals), n,
-                                    **self._layout(enc))
-    decoded = sparse_wire.decode_indices(words, enc)
+    (dense, short_sum), nnz = native.gather_sum(tf.stack(payloads),
+                                                [enc, short], tf.as_dtype(dtype))
+    decoded = sparse_wire.decode_indices(tf.stack(words), enc)
     self.assertAllEqual(decoded, np.stack(positions))
+    vals = np.stack(vals)
     want = sparse_wire.scatter_sum(tf.reshape(decoded, [-1]), vals.ravel(), n)
     self.assertAllEqual(np.signbit(dense), np.signbit(want))
     self.assertAllEqual(dense, want)  # bit for bit: same order of additions
     self.assertEqual(nnz.dtype, tf.int64)
-    self.assertEqual(int(nnz), int(tf.math.count_nonzero(want)))
+    self.assertEqual(int(nnz[0]), int(tf.math.count_nonzero(want)))
+    # Position 12 is the short vector's padding; 0, 1, 2, 3 from the replicas.
+    self.assertAllEqual(short_sum, [-1, -1, -1, -1, 0, 4, 0, 0, 0, 0, 0, 0])
+    self.assertEqual(int(nnz[1]), 5)
 
   def test_zeros_and_negative_zero_are_not_counted(self):
-    words = tf.constant([[3, 3, 5, 9], [5, 1, 9, 9]], tf.int32)  # 9: padding
-    val = tf.constant([[2.0, -2.0, -0.0, 7.0], [-0.0, 1.0, 0.0, 0.0]])
-    dense, nnz = native.scatter_sum(words, val, 9)
+    enc = sparse_wire.make_encoding("int32", 9, 4)
+    rows = [([3, 3, 5, 9], [2.0, -2.0, -0.0, 7.0]),  # 9: padding
+            ([5, 1, 9, 9], [-0.0, 1.0, 0.0, 0.0])]
+    payload = tf.stack([native.encode([tf.constant(i, tf.int32)],
+                                      [tf.constant(v)], [enc])
+                        for i, v in rows])
+    (dense,), nnz = native.gather_sum(payload, [enc], tf.float32)
     self.assertAllEqual(dense, [0, 1, 0, 0, 0, 0, 0, 0, 0])
     self.assertFalse(np.signbit(dense[5]))  # +0 + -0 + -0 is +0
-    self.assertEqual(int(nnz), 1)
+    self.assertEqual(int(nnz[0]), 1)
 
-  def test_bad_shapes_raise(self):
-    with self.assertRaisesRegex((ValueError, tf.errors.InvalidArgumentError),
-                                "rank|replicas"):
-      native.scatter_sum(tf.zeros([3], tf.int32), tf.zeros([3]), 10)
+  def test_bad_input_raises(self):
+    enc = sparse_wire.make_encoding("chunk8", 300, 4)
+    encode = lambda idx: native.encode([tf.constant(idx, tf.int32)],
+                                       [tf.zeros([4])], [enc])
     with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
-                                "words per replica"):
-      native.scatter_sum(tf.zeros([2, 3], tf.int32), tf.zeros([2, 4]), 10)
+                                "non-decreasing with the padding last"):
+      encode([5, 3, 300, 300])
+    encode([5, 5, 300, 300])  # repeated positions are fine
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "non-decreasing with the padding last"):
+      encode([5, 300, 7, 300])
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                r"must be in \[0, 300\], got 301"):
+      encode([5, 301, 300, 300])
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                r"must be in \[0, 300\], got -1"):
+      encode([-1, 3, 300, 300])
+    with self.assertRaisesRegex((ValueError, tf.errors.InvalidArgumentError),
+                                "rank 1 of one length"):
+      native.encode([tf.zeros([3], tf.int32)], [tf.zeros([4])], [enc])
+    good = encode([1, 2, 300, 300])
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "payload must be"):
+      native.gather_sum(good[None, :-1], [enc], tf.float32)
+    with self.assertRaisesRegex((ValueError, tf.errors.InvalidArgumentError),
+                                r"rank|payload must be \[replicas, 6\]"):
+      native.gather_sum(good, [enc], tf.float32)
 
 
 class LibraryTest(tf.test.TestCase):

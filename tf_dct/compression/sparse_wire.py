@@ -564,8 +564,11 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   Returns:
     Per vector, the dense length-n sum over replicas (same on every replica);
     with `nnz`, a pair `(sums, counts)`, counts[v] = int64 non-zero entries
-    of sums[v]. On CPU the long vectors' sums and counts come from one native
-    kernel (`tf_dct.ops.native.scatter_sum`), bit-identical to the stock ops.
+    of sums[v]. On CPU (outside XLA, float32/float64 values) two native
+    kernels do the work of the stock ops, bit for bit: one lays this
+    replica's vectors into one int32 payload per value dtype
+    (`tf_dct.ops.native.encode`), and after the all-gather one decodes,
+    sums and counts (`tf_dct.ops.native.gather_sum`).
   """
   buffers = list(buffers)
   if not buffers:
@@ -579,6 +582,9 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     encs.append(enc)
     idxs.append(tf.cast(idx, tf.int32))
     vals.append(val)
+  if use_native and all(native.usable(v.dtype, v.device) for v in vals):
+    summed, counts = _exchange_native(ctx, encs, idxs, vals)
+    return (summed, counts) if nnz else summed
   # Short buffers share one set of ops (an op per buffer costs a dispatch
   # each); long ones go one by one (see BATCH_CAPACITY).
   short = [v for v, e in enumerate(encs) if e.capacity <= BATCH_CAPACITY]
@@ -621,7 +627,6 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     return piece if w == dtype else tf.bitcast(piece, dtype)
 
   out = [None] * len(buffers)
-  counts = [None] * len(buffers)  # non-zeros, where a kernel counted them
   if short:
     idx = layout.decode(rows[tf.int32][:, words_at[0]:words_at[0] + layout.words])
     slot_at = np.cumsum([0] + [encs[v].capacity for v in short])
@@ -645,18 +650,39 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     w_at = words_at[i + (1 if short else 0)]
     words = rows[tf.int32][:, w_at:w_at + enc.words]
     val = take(long_vals[i], enc.capacity, vals[v].dtype)
-    if use_native and native.usable(val.dtype, val.device):
-      # Decode, scatter-add and count in one kernel.
-      out[v], counts[v] = native.scatter_sum(
-          words, val, enc.n, chunk=enc.chunk, count_bytes=enc.count_bytes,
-          offset_bytes=enc.offset_bytes, count_words=enc.count_words)
-    else:
-      idx = decode_indices(words, enc)  # every replica at once
-      out[v] = scatter_sum(tf.reshape(idx, [-1]), tf.reshape(val, [-1]), enc.n)
+    idx = decode_indices(words, enc)  # every replica at once
+    out[v] = scatter_sum(tf.reshape(idx, [-1]), tf.reshape(val, [-1]), enc.n)
   if not nnz:
     return out
-  return out, [tf.math.count_nonzero(o, dtype=tf.int64) if c is None else c
-               for o, c in zip(out, counts)]
+  return out, [tf.math.count_nonzero(o, dtype=tf.int64) for o in out]
+
+
+def _exchange_native(ctx, encs, idxs, vals):
+  """`exchange_many` with the native kernels: per value dtype one payload
+  (index words, then values), all of them in one all-gather; returns the
+  sums and their int64 non-zero counts."""
+  groups = {}  # value dtype -> vectors
+  for v, val in enumerate(vals):
+    groups.setdefault(val.dtype, []).append(v)
+  payloads = []
+  for dtype, members in groups.items():
+    mine = [encs[v] for v in members]
+    payload = native.encode([idxs[v] for v in members],
+                            [vals[v] for v in members], mine)
+    payload.set_shape([sum(e.words + e.capacity * dtype.size // 4
+                           for e in mine)])
+    payloads.append(payload)
+  gathered = ctx.all_gather(payloads, axis=0)
+  r = ctx.num_replicas_in_sync
+  sums, counts = [None] * len(vals), [None] * len(vals)
+  for (dtype, members), payload, rows in zip(groups.items(), payloads,
+                                              gathered):
+    summed, nnz = native.gather_sum(
+        tf.reshape(rows, [r, payload.shape[0]]), [encs[v] for v in members],
+        dtype)
+    for v, total, count in zip(members, summed, tf.unstack(nnz)):
+      sums[v], counts[v] = total, count
+  return sums, counts
 
 
 def exchange(ctx: tf.distribute.ReplicaContext, idx: tf.Tensor, val: tf.Tensor,

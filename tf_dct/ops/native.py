@@ -6,10 +6,11 @@ a select, the finite check), each pass an op with its own dispatch, and runs
 a few dozen more small ops per variable for its threshold schedule. `select`
 does DCT Algorithm 1 lines 2-11 of all of a replica's variables in one op
 (the finite check, the schedule's refreshes in O(n), the density guard, the
-mask, the compaction and the new residuals), and `scatter_sum` the dense sum
-of every replica's packed entries (line 12) with its non-zero count, which
-the accounting needs (kernels/sparse_kernels.cc). Results are bit-identical
-to the stock ops.
+mask, the compaction and the new residuals). For line 12, `encode` lays a
+replica's packed vectors into one all-gather payload and `gather_sum` turns
+the gathered payloads into the dense sums with their non-zero counts, which
+the accounting needs, instead of a dozen stock ops per vector
+(kernels/sparse_kernels.cc). Results are bit-identical to the stock ops.
 
 No wheel ships it: the source is compiled the first time it is needed, with
 the C++ compiler of the machine (`$CXX`, else `g++`) and the flags of the
@@ -199,27 +200,54 @@ def select(grads, residuals, taus: tf.Tensor, modes: tf.Tensor,
       highest=list(highest), messages=list(messages))
 
 
-def scatter_sum(words: tf.Tensor, val: tf.Tensor, n: int, chunk: int = 0,
-                count_bytes: int = 0, offset_bytes: int = 4,
-                count_words: int = 0):
-  """Decodes every replica's index words, sums the values, counts non-zeros.
+def _layouts(encodings):
+  """The per-vector attributes of the wire kernels, from `sparse_wire`
+  encodings (anything with n, chunk, count_bytes and offset_bytes)."""
+  return dict(ns=[e.n for e in encodings], chunks=[e.chunk for e in encodings],
+              count_bytes=[e.count_bytes for e in encodings],
+              offset_bytes=[e.offset_bytes for e in encodings])
+
+
+def encode(idxs, vals, encodings) -> tf.Tensor:
+  """One replica's packed vectors as one int32 all-gather payload.
 
   Args:
-    words: int32[r, w] index words per replica, in a layout of
-      `sparse_wire` ("int32": the positions themselves, padding n).
-    val: float32/float64[r, capacity] values per replica.
-    n: the dense length, a Python int >= 1.
-    chunk, count_bytes, offset_bytes, count_words: the layout
-      (`sparse_wire.Encoding`); chunk 0 means "int32".
+    idxs: per vector int32[capacity] positions, padding n; non-decreasing
+      with the padding last for a chunked encoding (else
+      InvalidArgumentError).
+    vals: per vector [capacity] values, all float32 or all float64.
+    encodings: per vector its `sparse_wire.Encoding`.
 
   Returns:
-    `(dense, nnz)`: bit for bit `sparse_wire.scatter_sum` of the decoded
-    positions (`decode_indices`) and values, replicas in order (each position
-    sums in slot order from +0), and `tf.math.count_nonzero(dense)` as int64.
+    int32[sum of words + sum of capacities * value size / 4]: every vector's
+    index words (`sparse_wire.encode_indices`, bit for bit), then every
+    vector's values.
 
   Raises:
     RuntimeError: the native library is unavailable (see `library`).
   """
-  return _lib().tf_dct_scatter_sum(
-      words, val, n=n, chunk=chunk, count_bytes=count_bytes,
-      offset_bytes=offset_bytes, count_words=count_words)
+  return _lib().tf_dct_encode(list(idxs), list(vals), **_layouts(encodings))
+
+
+def gather_sum(payload: tf.Tensor, encodings, dtype):
+  """Sums every replica's vectors from the gathered `encode` payloads.
+
+  Args:
+    payload: int32[replicas, length], one `encode` output per replica.
+    encodings: per vector its `sparse_wire.Encoding` (as given to `encode`).
+    dtype: tf.float32 or tf.float64, the values' dtype.
+
+  Returns:
+    `(sums, nnz)`: per vector the dense [n] sum, bit for bit
+    `sparse_wire.scatter_sum` of the decoded positions and values over the
+    replicas in order (each position sums in slot order from +0); and
+    int64[vectors] non-zero entries of each sum.
+
+  Raises:
+    RuntimeError: the native library is unavailable (see `library`).
+  """
+  encodings = list(encodings)
+  sums, nnz = _lib().tf_dct_gather_sum(
+      payload, T=dtype, N=len(encodings),
+      capacities=[e.capacity for e in encodings], **_layouts(encodings))
+  return list(sums), nnz

@@ -24,12 +24,16 @@
 // variable's message, as tf.debugging.check_numerics would, so nothing
 // computed from it leaves.
 //
-// TfDctScatterSum: the dense sum of every replica's packed entries (DCT
-// Algorithm 1 line 12, after the all-gather) and its number of non-zero
-// entries: it decodes each replica's index words (the layouts of
-// tf_dct/compression/sparse_wire.py), adds the values in, and counts. Positions
-// outside [0, n) (the padding n) are dropped, and each position sums its
-// values in slot order starting from +0, as tf.math.unsorted_segment_sum does.
+// TfDctEncode and TfDctGatherSum: the wire of DCT Algorithm 1 line 12 (and
+// of every compressor that exchanges packed entries). TfDctEncode lays one
+// replica's packed vectors into one int32 payload: every vector's index
+// words (the layouts of tf_dct/compression/sparse_wire.py), then every
+// vector's values. After the all-gather of the payloads, TfDctGatherSum
+// decodes every replica's words, adds the values into dense sums and counts
+// each sum's non-zero entries. Positions outside [0, n) (the padding n) are
+// dropped, and each position sums its values in slot order starting from +0,
+// replicas in order, as tf.math.unsorted_segment_sum does on the decoded
+// positions.
 
 #include <algorithm>
 #include <chrono>
@@ -434,28 +438,6 @@ class SelectOp : public OpKernel {
   std::vector<std::string> messages_;
 };
 
-REGISTER_OP("TfDctScatterSum")
-    .Input("words: int32")
-    .Input("val: T")
-    .Output("dense: T")
-    .Output("nnz: int64")
-    .Attr("T: {float, double}")
-    .Attr("n: int >= 1")
-    .Attr("chunk: int >= 0")
-    .Attr("count_bytes: int >= 0")
-    .Attr("offset_bytes: int >= 1")
-    .Attr("count_words: int >= 0")
-    .SetShapeFn([](shape_inference::InferenceContext* c) {
-      int64_t n;
-      TF_RETURN_IF_ERROR(c->GetAttr("n", &n));
-      shape_inference::ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &unused));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &unused));
-      c->set_output(0, c->Vector(n));
-      c->set_output(1, c->Scalar());
-      return absl::OkStatus();
-    });
-
 // An unsigned little-endian value of `nbytes` bytes, as tf.bitcast lays
 // narrower integers into int32 words on this (little-endian) host.
 // Fixed-size copies, so that no call to memcpy is made per value.
@@ -481,94 +463,288 @@ inline uint32_t ReadLittle(const unsigned char* at, int64_t nbytes) {
   }
 }
 
+// The static layout of one vector's index words on the wire, as
+// sparse_wire.Encoding gives it: "int32" (chunk 0) sends the positions
+// themselves, one word per slot, padding n; the chunked layouts send one
+// count per chunk of `chunk` positions (`count_bytes` each), then one offset
+// within its chunk per slot (`offset_bytes` each, 0 for padding), each part
+// filled to whole little-endian words. Slot j belongs to the chunk whose
+// running count first exceeds j, so the positions must be non-decreasing
+// with the padding last.
+struct Layout {
+  int64_t n, capacity, chunk, count_bytes, offset_bytes;
+  int64_t count_words, words;  // derived
+
+  Layout(int64_t n_, int64_t capacity_, int64_t chunk_, int64_t count_bytes_,
+         int64_t offset_bytes_)
+      : n(n_), capacity(capacity_), chunk(chunk_), count_bytes(count_bytes_),
+        offset_bytes(offset_bytes_) {
+    const int64_t chunks = chunk ? (n + chunk - 1) / chunk : 0;
+    count_words = (chunks * count_bytes + 3) / 4;
+    words = chunk ? count_words + (capacity * offset_bytes + 3) / 4 : capacity;
+  }
+  int64_t num_chunks() const { return chunk ? (n + chunk - 1) / chunk : 0; }
+};
+
+// Writes `value` as `nbytes` little-endian bytes (the inverse of ReadLittle).
+inline void WriteLittle(unsigned char* at, uint32_t value, int64_t nbytes) {
+  for (int64_t b = 0; b < nbytes; ++b) at[b] = (value >> (8 * b)) & 0xff;
+}
+
+// The per-vector attributes of TfDctEncode and TfDctGatherSum, checked: one
+// Layout per vector given its capacity.
+absl::Status ReadLayouts(OpKernelConstruction* ctx, int64_t num,
+                         std::vector<int64_t>* ns, std::vector<int64_t>* chunks,
+                         std::vector<int64_t>* count_bytes,
+                         std::vector<int64_t>* offset_bytes) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("ns", ns));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("chunks", chunks));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("count_bytes", count_bytes));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("offset_bytes", offset_bytes));
+  for (const size_t size : {ns->size(), chunks->size(), count_bytes->size(),
+                            offset_bytes->size()}) {
+    if (static_cast<int64_t>(size) != num) {
+      return InvalidArgument("ns, chunks, count_bytes and offset_bytes must "
+                             "have N = ", num, " entries");
+    }
+  }
+  for (int64_t v = 0; v < num; ++v) {
+    if ((*ns)[v] < 1 || (*ns)[v] >= INT32_MAX || (*chunks)[v] < 0 ||
+        ((*chunks)[v] > 0 && ((*count_bytes)[v] < 1 || (*count_bytes)[v] > 4 ||
+                              (*offset_bytes)[v] < 1 ||
+                              (*offset_bytes)[v] > 4))) {
+      return InvalidArgument("vector ", v, ": n must be in [1, 2^31 - 1) and "
+                             "a chunked layout needs 1-4 bytes per count and "
+                             "per offset");
+    }
+  }
+  return absl::OkStatus();
+}
+
+REGISTER_OP("TfDctEncode")
+    .Input("idx: N * int32")
+    .Input("val: N * T")
+    .Output("payload: int32")
+    .Attr("T: {float, double}")
+    .Attr("N: int >= 1")
+    .Attr("ns: list(int)")
+    .Attr("chunks: list(int)")
+    .Attr("count_bytes: list(int)")
+    .Attr("offset_bytes: list(int)")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    });
+
+// One replica's contribution to the all-gather of several vectors, as one
+// int32 vector: every vector's index words (Layout), in vector order, then
+// every vector's values, in vector order, sizeof(T) / 4 words per slot.
 template <typename T>
-class ScatterSumOp : public OpKernel {
+class EncodeOp : public OpKernel {
  public:
-  explicit ScatterSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("n", &n_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("chunk", &chunk_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("count_bytes", &count_bytes_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("offset_bytes", &offset_bytes_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("count_words", &count_words_));
-    OP_REQUIRES(ctx, chunk_ == 0 || (count_bytes_ >= 1 && count_bytes_ <= 4 &&
-                                     offset_bytes_ <= 4),
-                InvalidArgument("a chunked layout needs 1-4 bytes per count "
-                                "and per offset"));
+  explicit EncodeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_));
+    OP_REQUIRES_OK(ctx, ReadLayouts(ctx, num_, &ns_, &chunks_, &count_bytes_,
+                                    &offset_bytes_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& words_t = ctx->input(0);
-    const Tensor& val_t = ctx->input(1);
-    OP_REQUIRES(ctx, words_t.dims() == 2 && val_t.dims() == 2 &&
-                         words_t.dim_size(0) == val_t.dim_size(0),
-                InvalidArgument("words and val must be [replicas, ...] with the "
-                                "same replicas, got ",
-                                words_t.shape().DebugString(), " and ",
-                                val_t.shape().DebugString()));
-    const int64_t rows = val_t.dim_size(0);
-    const int64_t capacity = val_t.dim_size(1);
-    const int64_t width = words_t.dim_size(1);
-    const int64_t chunks = chunk_ ? (n_ + chunk_ - 1) / chunk_ : 0;
-    const int64_t need =
-        chunk_ ? count_words_ + (capacity * offset_bytes_ + 3) / 4 : capacity;
-    OP_REQUIRES(ctx, width >= need && count_words_ * 4 >= chunks * count_bytes_,
-                InvalidArgument("words has ", width, " words per replica, the "
-                                "layout needs ", need));
-    Tensor *dense_t, *nnz_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n_}), &dense_t));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &nnz_t));
-    const int32_t* words = words_t.flat<int32_t>().data();
-    const T* val = val_t.flat<T>().data();
-    T* dense = dense_t->flat<T>().data();
-    std::fill(dense, dense + n_, T(0));
-    std::vector<int64_t> touched;  // positions added to, to count non-zeros
-    touched.reserve(rows * capacity);
-    // Replicas in order, each one's slots in order: the additions happen in
-    // the order unsorted_segment_sum makes them on the decoded positions.
-    for (int64_t row = 0; row < rows; ++row) {
-      const int32_t* w = words + row * width;
-      const T* v = val + row * capacity;
-      if (chunk_ == 0) {  // "int32": the words are the positions
-        for (int64_t j = 0; j < capacity; ++j) {
-          const int64_t p = w[j];
-          if (p >= 0 && p < n_) {
-            dense[p] += v[j];
-            touched.push_back(p);
-          }
-        }
-        continue;
-      }
-      // Chunked: per-chunk counts, then one offset per slot; slot j belongs
-      // to the chunk whose running count first exceeds j.
-      const auto* counts = reinterpret_cast<const unsigned char*>(w);
-      const auto* offsets = reinterpret_cast<const unsigned char*>(w + count_words_);
-      int64_t j = 0;
-      for (int64_t c = 0; c < chunks && j < capacity; ++c) {
-        const int64_t end = j + ReadLittle(counts + c * count_bytes_, count_bytes_);
-        for (; j < end && j < capacity; ++j) {
-          const int64_t p =
-              c * chunk_ + ReadLittle(offsets + j * offset_bytes_, offset_bytes_);
-          if (p < n_) {
-            dense[p] += v[j];
-            touched.push_back(p);
-          }
-        }
-      }
+    std::vector<Layout> layouts;
+    int64_t index_words = 0, value_words = 0;
+    for (int64_t v = 0; v < num_; ++v) {
+      const Tensor& idx = ctx->input(v);
+      const Tensor& val = ctx->input(num_ + v);
+      OP_REQUIRES(ctx, idx.dims() == 1 && val.dims() == 1 &&
+                           idx.NumElements() == val.NumElements() &&
+                           idx.NumElements() >= 1,
+                  InvalidArgument("idx and val of vector ", v, " must be rank "
+                                  "1 of one length >= 1, got ",
+                                  idx.shape().DebugString(), " and ",
+                                  val.shape().DebugString()));
+      layouts.emplace_back(ns_[v], idx.NumElements(), chunks_[v],
+                           count_bytes_[v], offset_bytes_[v]);
+      index_words += layouts.back().words;
+      value_words += idx.NumElements() * (sizeof(T) / 4);
     }
-    // Only touched positions can be non-zero; each is counted once.
-    std::vector<bool> seen(n_, false);
-    int64_t nnz = 0;
-    for (const int64_t p : touched) {
-      if (!seen[p]) {
-        seen[p] = true;
-        nnz += dense[p] != T(0);
+    Tensor* payload_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({index_words + value_words}),
+                            &payload_t));
+    int32_t* payload = payload_t->flat<int32_t>().data();
+    int32_t* words = payload;
+    auto* values = reinterpret_cast<unsigned char*>(payload + index_words);
+    for (int64_t v = 0; v < num_; ++v) {
+      const Layout& layout = layouts[v];
+      const int32_t* idx = ctx->input(v).flat<int32_t>().data();
+      const T* val = ctx->input(num_ + v).flat<T>().data();
+      if (layout.chunk == 0) {  // "int32": the positions themselves
+        std::memcpy(words, idx, layout.capacity * sizeof(int32_t));
+      } else {
+        std::fill(words, words + layout.words, 0);
+        auto* counts = reinterpret_cast<unsigned char*>(words);
+        auto* offsets = reinterpret_cast<unsigned char*>(words + layout.count_words);
+        std::vector<uint32_t> count(layout.num_chunks(), 0);
+        int64_t previous = -1;
+        bool padding = false;
+        for (int64_t j = 0; j < layout.capacity; ++j) {
+          const int64_t p = idx[j];
+          OP_REQUIRES(ctx, p >= 0 && p <= layout.n,
+                      InvalidArgument("positions of vector ", v, " must be in "
+                                      "[0, ", layout.n, "], got ", p));
+          if (p == layout.n) {
+            padding = true;
+            continue;
+          }
+          OP_REQUIRES(ctx, !padding && p >= previous,
+                      InvalidArgument("positions of vector ", v, " must be "
+                                      "non-decreasing with the padding last "
+                                      "for a chunked layout"));
+          previous = p;
+          ++count[p / layout.chunk];
+          WriteLittle(offsets + j * layout.offset_bytes,
+                      static_cast<uint32_t>(p % layout.chunk),
+                      layout.offset_bytes);
+        }
+        for (int64_t c = 0; c < layout.num_chunks(); ++c) {
+          WriteLittle(counts + c * layout.count_bytes, count[c],
+                      layout.count_bytes);
+        }
       }
+      words += layout.words;
+      std::memcpy(values, val, layout.capacity * sizeof(T));
+      values += layout.capacity * sizeof(T);
     }
-    nnz_t->scalar<int64_t>()() = nnz;
   }
 
  private:
-  int64_t n_, chunk_, count_bytes_, offset_bytes_, count_words_;
+  int64_t num_;
+  std::vector<int64_t> ns_, chunks_, count_bytes_, offset_bytes_;
+};
+
+REGISTER_OP("TfDctGatherSum")
+    .Input("payload: int32")
+    .Output("dense: N * T")
+    .Output("nnz: int64")
+    .Attr("T: {float, double}")
+    .Attr("N: int >= 1")
+    .Attr("ns: list(int)")
+    .Attr("capacities: list(int)")
+    .Attr("chunks: list(int)")
+    .Attr("count_bytes: list(int)")
+    .Attr("offset_bytes: list(int)")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      int64_t num;
+      std::vector<int64_t> ns;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &num));
+      TF_RETURN_IF_ERROR(c->GetAttr("ns", &ns));
+      if (static_cast<int64_t>(ns.size()) != num) {
+        return InvalidArgument("ns must have N = ", num, " entries");
+      }
+      shape_inference::ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &unused));
+      for (int64_t v = 0; v < num; ++v) c->set_output(v, c->Vector(ns[v]));
+      c->set_output(num, c->Vector(num));
+      return absl::OkStatus();
+    });
+
+// The sums of every replica's vectors from the gathered payloads (one
+// TfDctEncode output per row), and each sum's number of non-zero entries.
+template <typename T>
+class GatherSumOp : public OpKernel {
+ public:
+  explicit GatherSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("capacities", &capacities_));
+    OP_REQUIRES(ctx, static_cast<int64_t>(capacities_.size()) == num_,
+                InvalidArgument("capacities must have N = ", num_, " entries"));
+    OP_REQUIRES_OK(ctx, ReadLayouts(ctx, num_, &ns_, &chunks_, &count_bytes_,
+                                    &offset_bytes_));
+    for (int64_t v = 0; v < num_; ++v) {
+      OP_REQUIRES(ctx, capacities_[v] >= 1,
+                  InvalidArgument("capacities must be >= 1, got ",
+                                  capacities_[v]));
+      layouts_.emplace_back(ns_[v], capacities_[v], chunks_[v],
+                            count_bytes_[v], offset_bytes_[v]);
+      index_words_ += layouts_.back().words;
+      value_words_ += capacities_[v] * (sizeof(T) / 4);
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& payload_t = ctx->input(0);
+    OP_REQUIRES(ctx, payload_t.dims() == 2 &&
+                         payload_t.dim_size(1) == index_words_ + value_words_,
+                InvalidArgument("payload must be [replicas, ",
+                                index_words_ + value_words_, "], got ",
+                                payload_t.shape().DebugString()));
+    const int64_t rows = payload_t.dim_size(0);
+    const int64_t width = payload_t.dim_size(1);
+    const int32_t* payload = payload_t.flat<int32_t>().data();
+    Tensor* nnz_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(num_, TensorShape({num_}), &nnz_t));
+    int64_t words_at = 0, values_at = index_words_;
+    for (int64_t v = 0; v < num_; ++v) {
+      const Layout& layout = layouts_[v];
+      Tensor* dense_t;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(v, TensorShape({layout.n}),
+                                               &dense_t));
+      T* dense = dense_t->flat<T>().data();
+      std::fill(dense, dense + layout.n, T(0));
+      std::vector<int64_t> touched;  // positions added to, to count non-zeros
+      touched.reserve(rows * layout.capacity);
+      // Replicas in order, each one's slots in order: the additions happen
+      // in the order unsorted_segment_sum makes them on the decoded
+      // positions, each position from +0.
+      for (int64_t row = 0; row < rows; ++row) {
+        const int32_t* w = payload + row * width + words_at;
+        const auto* values = reinterpret_cast<const unsigned char*>(
+            payload + row * width + values_at);
+        const auto add = [&](int64_t p, int64_t j) {
+          if (p < 0 || p >= layout.n) return;  // padding
+          T value;
+          std::memcpy(&value, values + j * sizeof(T), sizeof(T));
+          dense[p] += value;
+          touched.push_back(p);
+        };
+        if (layout.chunk == 0) {
+          for (int64_t j = 0; j < layout.capacity; ++j) add(w[j], j);
+          continue;
+        }
+        const auto* counts = reinterpret_cast<const unsigned char*>(w);
+        const auto* offsets =
+            reinterpret_cast<const unsigned char*>(w + layout.count_words);
+        int64_t j = 0;
+        for (int64_t c = 0; c < layout.num_chunks() && j < layout.capacity;
+             ++c) {
+          const int64_t end =
+              j + ReadLittle(counts + c * layout.count_bytes, layout.count_bytes);
+          for (; j < end && j < layout.capacity; ++j) {
+            add(c * layout.chunk +
+                    ReadLittle(offsets + j * layout.offset_bytes,
+                               layout.offset_bytes),
+                j);
+          }
+        }
+      }
+      // Only touched positions can be non-zero; each is counted once.
+      std::vector<bool> seen(layout.n, false);
+      int64_t nnz = 0;
+      for (const int64_t p : touched) {
+        if (!seen[p]) {
+          seen[p] = true;
+          nnz += dense[p] != T(0);
+        }
+      }
+      nnz_t->flat<int64_t>()(v) = nnz;
+      words_at += layout.words;
+      values_at += layout.capacity * (sizeof(T) / 4);
+    }
+  }
+
+ private:
+  int64_t num_, index_words_ = 0, value_words_ = 0;
+  std::vector<int64_t> ns_, capacities_, chunks_, count_bytes_, offset_bytes_;
+  std::vector<Layout> layouts_;
 };
 
 #define TF_DCT_REGISTER(T)                                              \
@@ -576,8 +752,11 @@ class ScatterSumOp : public OpKernel {
       Name("TfDctSelect").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
       SelectOp<T>);                                                    \
   REGISTER_KERNEL_BUILDER(                                              \
-      Name("TfDctScatterSum").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-      ScatterSumOp<T>)
+      Name("TfDctEncode").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
+      EncodeOp<T>);                                                    \
+  REGISTER_KERNEL_BUILDER(                                              \
+      Name("TfDctGatherSum").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+      GatherSumOp<T>)
 TF_DCT_REGISTER(float);
 TF_DCT_REGISTER(double);
 #undef TF_DCT_REGISTER
