@@ -1,5 +1,6 @@
 """tf_dct.ops.native: the DCT-DP kernels against numpy and the stock ops."""
 
+import dataclasses
 import os
 from unittest import mock
 
@@ -339,6 +340,15 @@ class WireTest(tf.test.TestCase, parameterized.TestCase):
                                 "non-decreasing with the padding last"):
       encode([5, 3, 300, 300])
     encode([5, 5, 300, 300])  # repeated positions are fine
+    narrow = sparse_wire.make_encoding("chunk8", 300, 300)  # 2-byte counts
+    self.assertEqual(narrow.count_bytes, 2)
+    tiny = sparse_wire.make_encoding("chunk8", 300, 4)  # 1-byte counts
+    self.assertEqual(tiny.count_bytes, 1)
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "chunk 0 holds 256 positions, more than "
+                                "1-byte counts carry"):
+      native.encode([tf.fill([256], 7)], [tf.zeros([256])],
+                    [dataclasses.replace(tiny, capacity=256)])
     with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
                                 "non-decreasing with the padding last"):
       encode([5, 300, 7, 300])

@@ -606,6 +606,12 @@ class EncodeOp : public OpKernel {
                       layout.offset_bytes);
         }
         for (int64_t c = 0; c < layout.num_chunks(); ++c) {
+          OP_REQUIRES(ctx, layout.count_bytes == 4 ||
+                               count[c] < (uint32_t{1} << (8 * layout.count_bytes)),
+                      InvalidArgument("vector ", v, ": chunk ", c, " holds ",
+                                      count[c], " positions, more than ",
+                                      layout.count_bytes, "-byte counts "
+                                      "carry"));
           WriteLittle(counts + c * layout.count_bytes, count[c],
                       layout.count_bytes);
         }
