@@ -696,8 +696,10 @@ class GatherSumOp : public OpKernel {
                                                &dense_t));
       T* dense = dense_t->flat<T>().data();
       std::fill(dense, dense + layout.n, T(0));
-      std::vector<int64_t> touched;  // positions added to, to count non-zeros
-      touched.reserve(rows * layout.capacity);
+      // Non-zero entries of dense, kept up to date as each addition turns
+      // one entry from zero to non-zero or back (-0.0 counts as zero, as in
+      // tf.math.count_nonzero).
+      int64_t nnz = 0;
       // Replicas in order, each one's slots in order: the additions happen
       // in the order unsorted_segment_sum makes them on the decoded
       // positions, each position from +0.
@@ -709,8 +711,11 @@ class GatherSumOp : public OpKernel {
           if (p < 0 || p >= layout.n) return;  // padding
           T value;
           std::memcpy(&value, values + j * sizeof(T), sizeof(T));
-          dense[p] += value;
-          touched.push_back(p);
+          const T before = dense[p];
+          const T after = before + value;
+          dense[p] = after;
+          nnz += static_cast<int64_t>(after != T(0)) -
+                 static_cast<int64_t>(before != T(0));
         };
         if (layout.chunk == 0) {
           for (int64_t j = 0; j < layout.capacity; ++j) add(w[j], j);
@@ -730,15 +735,6 @@ class GatherSumOp : public OpKernel {
                                layout.offset_bytes),
                 j);
           }
-        }
-      }
-      // Only touched positions can be non-zero; each is counted once.
-      std::vector<bool> seen(layout.n, false);
-      int64_t nnz = 0;
-      for (const int64_t p : touched) {
-        if (!seen[p]) {
-          seen[p] = true;
-          nnz += dense[p] != T(0);
         }
       }
       nnz_t->flat<int64_t>()(v) = nnz;
