@@ -96,9 +96,11 @@ them exactly):
   use): per variable the finite check, acc = g + E, the schedule's refresh
   with an O(n) order statistic, the density guard, the mask, the compaction
   and the new residual. It replaces a dozen stock ops per variable, the
-  `tf.cond` of the schedule and the grouping above. After the all-gather
-  one kernel decodes, sums and counts the non-zeros of each long buffer
-  (line 12). Bit for bit the same results (tested).
+  `tf.cond` of the schedule and the grouping above. The wire (line 12) is
+  native too: one kernel lays a replica's buffers into one payload, and
+  after the all-gather one kernel decodes, sums and counts the non-zeros of
+  every buffer (`sparse_wire.exchange_many`). Bit for bit the same results
+  (tested).
   Without a compiler, on GPU, TPU and under XLA the stock ops run.
 * Index encoding: `index_encoding` ("auto" by default) picks the wire layout
   of positions, see `sparse_wire`; the chunked layouts cut the index bytes

@@ -128,12 +128,11 @@ REGISTER_OP("TfDctSelect")
 
 // Line 2 of one variable, out[i] = grad[i] + residual (its entry i, or its
 // one entry when kScalar), in a branch-free pass the compiler vectorizes
-// (-O3). Also counts the entries with |out[i]| >= tau, out[i] != 0 (the
-// count the guard checks) and flags non-finite (and NaN) gradient entries.
+// (-O3), for a refresh (the threshold comes from out afterwards). Flags
+// non-finite (and NaN) gradient entries.
 template <typename T, bool kScalar>
-inline int64_t AccumulateLoop(int64_t n, const T* grad, const T* residual,
-                              T tau, T* out, int* bad, int* nan) {
-  int64_t count = 0;
+inline void AccumulateLoop(int64_t n, const T* grad, const T* residual,
+                           T* out, int* bad, int* nan) {
   int not_finite = 0, not_a_number = 0;
   for (int64_t i = 0; i < n; ++i) {
     const T g = grad[i];
@@ -141,39 +140,32 @@ inline int64_t AccumulateLoop(int64_t n, const T* grad, const T* residual,
     not_a_number |= (g != g);
     // A scalar residual of 0 adds nothing: g is the accumulator already
     // (and -0.0 + 0.0 would turn its -0.0 entries into +0.0).
-    const T a = kScalar ? (residual[0] == T(0) ? g : g + residual[0])
-                        : g + residual[i];
-    const T magnitude = std::fabs(a);
-    count += (magnitude >= tau) & (magnitude > T(0));
-    out[i] = a;
+    out[i] = kScalar ? (residual[0] == T(0) ? g : g + residual[0])
+                     : g + residual[i];
   }
   *bad = not_finite;
   *nan = not_a_number;
-  return count;
 }
 
 // AccumulateLoop, with out taking over grad's buffer or not: the in-place
 // call passes one pointer, so the compiler needs no overlap check (which
 // would fall back to scalar code when the two are the same buffer).
 template <typename T>
-int64_t Accumulate(int64_t n, const T* grad, const T* residual, bool scalar,
-                   T tau, T* out, bool* finite, bool* nan) {
+void Accumulate(int64_t n, const T* grad, const T* residual, bool scalar,
+                T* out, bool* finite, bool* nan) {
   int bad, not_a_number;
-  int64_t count;
   if (out == grad) {
-    count = scalar ? AccumulateLoop<T, true>(n, out, residual, tau, out, &bad,
-                                             &not_a_number)
-                   : AccumulateLoop<T, false>(n, out, residual, tau, out, &bad,
-                                              &not_a_number);
+    scalar ? AccumulateLoop<T, true>(n, out, residual, out, &bad, &not_a_number)
+           : AccumulateLoop<T, false>(n, out, residual, out, &bad,
+                                      &not_a_number);
   } else {
-    count = scalar ? AccumulateLoop<T, true>(n, grad, residual, tau, out, &bad,
-                                             &not_a_number)
-                   : AccumulateLoop<T, false>(n, grad, residual, tau, out, &bad,
-                                              &not_a_number);
+    scalar ? AccumulateLoop<T, true>(n, grad, residual, out, &bad,
+                                     &not_a_number)
+           : AccumulateLoop<T, false>(n, grad, residual, out, &bad,
+                                      &not_a_number);
   }
   *finite = !bad;
   *nan = not_a_number;
-  return count;
 }
 
 // Lines 2 and 9-11 of one variable in one pass over its entries, for a
@@ -398,7 +390,7 @@ class SelectOp : public OpKernel {
       bool finite, nan;
       int64_t selected;
       if (modes[v] == 1) {  // refresh: tau comes from the accumulator
-        Accumulate(n, g, r, scalar, tau, acc, &finite, &nan);       // line 2
+        Accumulate(n, g, r, scalar, acc, &finite, &nan);            // line 2
         OP_REQUIRES(ctx, finite, NonFinite(messages_[v], nan));
         tau = below_[v] == 0 ? T(0) : OrderStatistic(n, below_[v], acc);  // lines 4-5
         selected = Pack(n, tau, capacity, acc, idx, val);           // lines 9-11
@@ -479,8 +471,7 @@ struct Layout {
          int64_t offset_bytes_)
       : n(n_), capacity(capacity_), chunk(chunk_), count_bytes(count_bytes_),
         offset_bytes(offset_bytes_) {
-    const int64_t chunks = chunk ? (n + chunk - 1) / chunk : 0;
-    count_words = (chunks * count_bytes + 3) / 4;
+    count_words = (num_chunks() * count_bytes + 3) / 4;
     words = chunk ? count_words + (capacity * offset_bytes + 3) / 4 : capacity;
   }
   int64_t num_chunks() const { return chunk ? (n + chunk - 1) / chunk : 0; }
