@@ -361,10 +361,21 @@ class WireTest(tf.test.TestCase, parameterized.TestCase):
     with self.assertRaisesRegex((ValueError, tf.errors.InvalidArgumentError),
                                 "rank 1 of one length"):
       native.encode([tf.zeros([3], tf.int32)], [tf.zeros([4])], [enc])
+    for bad in (dict(count_bytes=5), dict(offset_bytes=0), dict(n=0)):
+      with self.assertRaisesRegex(
+          tf.errors.InvalidArgumentError,
+          r"n must be in \[1, 2\^31 - 1\) and a chunked layout needs 1-4 "
+          "bytes per count and per offset"):
+        native.encode([tf.constant([0, 1, 2, 3])], [tf.zeros([4])],
+                      [dataclasses.replace(enc, **bad)])
     good = encode([1, 2, 300, 300])
     with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
                                 "payload must be"):
       native.gather_sum(good[None, :-1], [enc], tf.float32)
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "capacities must be >= 1, got 0"):
+      native.gather_sum(good[None], [dataclasses.replace(enc, capacity=0)],
+                        tf.float32)
     with self.assertRaisesRegex((ValueError, tf.errors.InvalidArgumentError),
                                 r"rank|payload must be \[replicas, 6\]"):
       native.gather_sum(good, [enc], tf.float32)
