@@ -102,7 +102,8 @@ def run(repl, compressor, steps: int, ckpt_prefix: str,
     st = compressor.state_for(var)
     out["residual"].append(list(st["residual"].numpy()) if st
                            else [np.zeros(var.shape, np.float32)] * local)
-    out["steps"].append([int(s) for s in st["step"].numpy()] if st else None)
+    out["steps"].append([int(s) for s in compressor.state_values(var)["step"]]
+                        if st else None)
   return out
 
 

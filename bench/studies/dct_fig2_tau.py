@@ -117,7 +117,7 @@ def train(args, configs):
 
   layers = {}
   for name, model in models.items():
-    layers[name] = {v.name.split(":")[0]: comps[name].state_for(v)
+    layers[name] = {v.name.split(":")[0]: v
                     for v in model.trainable_variables
                     if v.shape.num_elements() >= MIN_SIZE}
   sizes = {v.name.split(":")[0]: v.shape.num_elements()
@@ -134,12 +134,13 @@ def train(args, configs):
     for name in models:
       losses[name].append(float(sum(
           v.numpy() for v in repl.experimental_local_results(out[name]))))
-      for layer, st in layers[name].items():
+      for layer, var in layers[name].items():
         tau, sel, sent = raw[name][layer]
-        tau.append(st["threshold"].numpy())
-        s = np.asarray(st["sent"].numpy())
+        st = comps[name].state_values(var)
+        tau.append(st["threshold"])
+        s = np.asarray(st["sent"])
         sent.append(s)
-        sel.append(s + np.asarray(st["overflow"].numpy()))
+        sel.append(s + np.asarray(st["overflow"]))
   log = {name: {layer: tuple(np.array(x) for x in v) for layer, v in d.items()}
          for name, d in raw.items()}
   return log, sizes, {k: np.array(v) for k, v in losses.items()}

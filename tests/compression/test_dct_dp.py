@@ -252,6 +252,50 @@ class ZeroThresholdTest(tf.test.TestCase):
     self.assertAllEqual(ref[0].update, g)
 
 
+class StateTest(tf.test.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(("stock", False), ("native", None))
+  def test_scalars_share_one_variable_and_read_back_exactly(self, native):
+    # tau, k, sent and overflow live in one float64[4] variable per replica;
+    # a float64 tau that float32 would round (1 + 7e-12) comes back exactly.
+    if native is None and not native_ops.available():
+      self.skipTest("native kernels unavailable")
+    g = 1.0 + 1e-12 * np.arange(10, dtype=np.float64)
+    compressor = DCTDP(0.7, threshold_life=5, native=native)
+    repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"],
+                             input_replication=tf_dct.PER_REPLICA)
+    compressor.bind(repl)
+    with repl.scope():
+      var = tf.Variable(tf.zeros([10], tf.float64), name="w")
+
+    def step_fn():
+      grad = tf.constant(g)
+      return compressor.aggregate([(grad, var)])[0][0]
+
+    for _ in range(2):
+      repl.run(step_fn)
+    self.assertEqual(set(compressor.state_for(var)), {"residual", "scalars"})
+    values = compressor.state_values(var)
+    self.assertEqual(set(values), {"residual"} | set(dct_dp.SCALARS))
+    # m = 7. Step 0: tau = w_7 of g sends the 3 largest. Step 1: that tau
+    # selects all 10 entries of g + E, more than the guard's 2 K = 6, so tau
+    # is refreshed early to w_7 of g + E, which again sends 3.
+    acc = g + np.where(g >= np.sort(g)[7], 0.0, g)
+    tau = np.sort(acc)[7]
+    self.assertNotEqual(np.float32(tau), tau)
+    self.assertEqual(values["threshold"], [tau] * 2)
+    self.assertIsInstance(values["threshold"][0], np.float64)
+    self.assertEqual(values["step"], [2, 2])
+    self.assertIsInstance(values["step"][0], np.int64)
+    self.assertEqual(values["sent"], [3, 3])
+    self.assertIsInstance(values["sent"][0], np.int32)
+    self.assertEqual(values["overflow"], [0, 0])
+    # The accounting's threshold is the state's.
+    stats = compressor.communication_stats()["variables"]["w"]
+    self.assertEqual(stats["last"]["threshold"], [tau] * 2)
+    self.assertEqual(stats["counters"]["early_refreshes"], [1, 1])
+
+
 class GroupingTest(tf.test.TestCase, parameterized.TestCase):
   """With stock ops, variables selected as one group behave exactly as one
   by one; the native kernel (one op per dtype) as well."""

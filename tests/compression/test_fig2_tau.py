@@ -118,14 +118,14 @@ def _train():
       optimizers[name].apply_gradients(zip(grads, variables))
     return loss
 
-  states = {name: compressors[name].state_for(models[name].layers[0].kernel)
-            for name in compressors}
+  kernels = {name: models[name].layers[0].kernel for name in compressors}
   log = {name: ([], []) for name in compressors}
   for _ in range(STEPS):
     repl.run(step_fn, input_fn)
-    for name, st in states.items():
-      log[name][0].append(st["threshold"].numpy())
-      log[name][1].append(np.add(st["sent"].numpy(), st["overflow"].numpy()))
+    for name, kernel in kernels.items():
+      st = compressors[name].state_values(kernel)
+      log[name][0].append(st["threshold"])
+      log[name][1].append(np.add(st["sent"], st["overflow"]))
   return ({name: (np.array(t), np.array(s)) for name, (t, s) in log.items()},
           compressors["reused"])
 

@@ -268,6 +268,12 @@ class Compressor(tf.Module):
     """The per-replica state of `variable` (created on first use)."""
     return self._states_for([variable])[0]
 
+  def state_values(self, variable: tf.Variable) -> dict:
+    """This worker's values of `variable`'s state, by name: per local
+    replica, in local replica order (numpy). Compressors that pack several
+    values into one state variable return them by their own names."""
+    return {key: s.numpy() for key, s in self.state_for(variable).items()}
+
   def _states_for(self, variables) -> list[dict]:
     with self._lock:
       for var in variables:

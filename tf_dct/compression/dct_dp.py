@@ -115,10 +115,16 @@ them exactly):
   the kernel's own run time (it times itself): timestamps around it would
   make the replicas' selections wait for each other (see `accounting`).
 
-State per compressed variable and replica: `residual` (E, variable shape),
-`threshold` (tau, scalar), `step` (k, int64), and two int32 statistics of the
-last step: `sent` (entries sent: packed on the wire, or n on a dense warmup
-step) and `overflow` (entries that reached the threshold but did not fit).
+State per compressed variable and replica: `residual` (E, variable shape)
+and `scalars`, float64[4] holding `SCALARS`: tau, k, and two statistics of
+the last step, `sent` (entries sent: packed on the wire, or n on a dense
+warmup step) and `overflow` (entries that reached the threshold but did not
+fit). The four share one variable because every variable a step touches
+costs a few microseconds per call of the step function, whatever it holds
+(as four variables they cost DCTDP(L=1000) 4-6% of the benchmark's step
+time, docs/benchmarks.md). float64 holds each exactly: tau is a float of at
+most 64 bits, k < 2^53, the counts < 2^31. `Compressor.state_values` reads
+them by name.
 """
 
 from __future__ import annotations
@@ -153,6 +159,9 @@ _check = functools.partial(validation.check_number, "DCTDP")
 # replicas, DCTDP(L=1000) vs Dense): 2.81x with 8192, 2.92x with 40000, 5.07x
 # with every variable in one group, 2.90x with none.
 FUSE_SIZE = 8192
+
+# The per-variable scalars of the state, in the order of `scalars`.
+SCALARS = ("threshold", "step", "sent", "overflow")
 
 
 def num_below(n: int, sparsity: float) -> int:
@@ -283,15 +292,21 @@ class DCTDP(Compressor):
     return {
         "residual": self.per_replica_state(
             tf.zeros(variable.shape, variable.dtype), name=f"{base}/residual"),
-        "threshold": self.per_replica_state(
-            tf.zeros([], variable.dtype), name=f"{base}/threshold"),
-        "step": self.per_replica_state(
-            tf.zeros([], tf.int64), name=f"{base}/step"),
-        "sent": self.per_replica_state(
-            tf.zeros([], tf.int32), name=f"{base}/sent"),
-        "overflow": self.per_replica_state(
-            tf.zeros([], tf.int32), name=f"{base}/overflow"),
+        "scalars": self.per_replica_state(
+            tf.zeros([len(SCALARS)], tf.float64), name=f"{base}/scalars"),
     }
+
+  def state_values(self, variable):
+    """As `Compressor.state_values`, with `scalars` split into `SCALARS`:
+    `threshold` of the variable's dtype, `step` int64, `sent` and
+    `overflow` int32."""
+    out = super().state_values(variable)
+    if "scalars" in out:
+      rows = np.asarray(out.pop("scalars"))
+      dtypes = (variable.dtype.as_numpy_dtype, np.int64, np.int32, np.int32)
+      out.update({name: [dtype(x) for x in rows[:, i]]
+                  for i, (name, dtype) in enumerate(zip(SCALARS, dtypes))})
+    return out
 
   def reduce(self, ctx, grads, variables, states):
     grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
@@ -301,7 +316,7 @@ class DCTDP(Compressor):
     # (see `error_feedback.checked_reads`); the native kernel checks the dense
     # gradients it reads itself.
     checked, values, dense_items = error_feedback.checked_reads(
-        "DCTDP", grads, variables, states, ("residual", "threshold", "step"),
+        "DCTDP", grads, variables, states, ("residual", "scalars"),
         checked_by_caller=[i in native and not isinstance(g, tf.IndexedSlices)
                            for i, g in enumerate(grads)])
     results = [None] * len(grads)
@@ -432,16 +447,17 @@ class DCTDP(Compressor):
 
   def _unpack(self, group):
     """A group's accumulators, variables, states, sizes n, m (`num_below`),
-    capacities, and its step counters k and thresholds as [V] tensors."""
+    capacities, and its step counters k (int64) and thresholds (of the
+    variables' dtype) as [V] tensors."""
     variables = [v for _, v, _, _ in group]
     sizes = [v.shape.num_elements() for v in variables]
-    values = [value for _, _, _, value in group]
+    scalars = tf.stack([value["scalars"] for _, _, _, value in group])
     return ([acc for acc, _, _, _ in group], variables,
             [st for _, _, st, _ in group], sizes,
             [num_below(n, self.sparsity) for n in sizes],
             [capacity(n, self.sparsity, self.capacity_factor) for n in sizes],
-            tf.stack([value["step"] for value in values]),
-            tf.stack([value["threshold"] for value in values]))
+            tf.cast(scalars[:, SCALARS.index("step")], tf.int64),
+            tf.cast(scalars[:, SCALARS.index("threshold")], variables[0].dtype))
 
   def _select_native(self, group, start):
     """Lines 2-11 for a group of variables of one dtype in one native op.
@@ -479,7 +495,7 @@ class DCTDP(Compressor):
     if warm is not None:  # the threshold of a warm variable stays as it was
       tau = tf.where(warm, old_tau, tau)
     refresh = tf.logical_or(due, early)
-    return self._finish(variables, states, sizes, caps, tau, refresh,
+    return self._finish(variables, states, sizes, caps, k, tau, refresh,
                         early if self.density_band is not None else None,
                         warm, selected, idxs, vals, residuals) + (seconds,)
 
@@ -572,16 +588,17 @@ class DCTDP(Compressor):
     # ones.
     new_residual = tf.where(fitted, tf.zeros_like(flat), flat)    # DCT Algorithm 1 lines 10-11
     split_slots = (lambda t: [t]) if one else (lambda t: tf.split(t, caps))
-    return self._finish(variables, states, sizes, caps, tau, refresh, early,
+    return self._finish(variables, states, sizes, caps, k, tau, refresh, early,
                         warm, selected, split_slots(idx), split_slots(val),
                         split(new_residual)) + (None,)
 
-  def _finish(self, variables, states, sizes, caps, tau, refresh, early, warm,
-              selected, idxs, vals, residuals):
+  def _finish(self, variables, states, sizes, caps, k, tau, refresh, early,
+              warm, selected, idxs, vals, residuals):
     """What `_sparsify` returns, from a group's selection.
 
     Args:
       variables, states, sizes, caps: per variable of the group.
+      k: [V] step counters before this step.
       tau, refresh, early, warm, selected: [V] tau of this step, whether it
         was refreshed, by the guard (None: no guard), warm (None: no
         warmup), entries selected before the capacity cut.
@@ -618,12 +635,13 @@ class DCTDP(Compressor):
           counters=counters), warms[v]))
 
     def write():
+      columns = {"threshold": tau, "step": k + 1, "sent": count,
+                 "overflow": overflow}
+      scalars = tf.unstack(tf.stack(
+          [tf.cast(columns[name], tf.float64) for name in SCALARS], axis=1))
       for v, (var, st) in enumerate(zip(variables, states)):
         st["residual"].local().assign(tf.reshape(residuals[v], var.shape))
-        st["threshold"].local().assign(taus[v])
-        st["step"].local().assign_add(1)
-        st["sent"].local().assign(counts[v])
-        st["overflow"].local().assign(overflows[v])
+        st["scalars"].local().assign(scalars[v])
 
     items = [(i, w, n, var.shape) for i, w, n, var in zip(
         idxs, vals, sizes, variables)]
