@@ -59,6 +59,8 @@ from tf_dct import _private
 # Additive per-step fields, in the order of the stored vectors.
 FIELDS = ("payload_bytes", "bytes_sent", "bytes_received", "dense_bytes",
           "dense_payload_bytes", "nnz", "size", "sent", "selection_seconds")
+# Rows of the stats matrices: this step, and summed over steps.
+LAST, TOTAL = 0, 1
 _SCALARS = ("bytes_sent", "bytes_received", "payload_bytes", "dense_bytes",
             "dense_payload_bytes", "selection_seconds")
 
@@ -177,45 +179,40 @@ def write_scalar(tag: str, value, step) -> None:
 class Accounting(tf.Module):
   """Per-replica statistics of one compressor, kept in `PerReplicaState`.
 
-  Per variable: `last` (FIELDS + threshold, float64), `total` (FIELDS summed
-  over steps, plus the number of steps) and, if the compressor reports any,
-  `counters` (cumulative). For the compressor as a whole: `last` and `total`
-  (FIELDS), and `steps` (aggregation steps seen). Everything is created the
+  One float64 matrix of two rows per variable (`stats`): row `LAST` holds
+  this step's FIELDS, then tau, then the step's counter amounts; row `TOTAL`
+  the FIELDS summed over steps, then the number of steps, then the
+  cumulative counters (the variable's own counters, in sorted order). For
+  the compressor as a whole one [2, len(FIELDS) + 1] matrix: the step's
+  FIELDS summed over variables and the totals, the last column 0 and the
+  number of aggregation steps. One variable each rather than one per row
+  and counter: every variable a step touches costs a few microseconds per
+  call of the step function (docs/benchmarks.md). Everything is created the
   first time a compressor reports, so compressors that never report add
   nothing to checkpoints.
   """
 
   def __init__(self, name: str = "accounting"):
     super().__init__(name=name)
-    self.per_variable = {}   # state key -> dict of PerReplicaState
-    self.overall = {}     # "last", "total", "steps"
+    self.per_variable = {}   # state key -> {"stats": PerReplicaState}
+    self.overall = {}     # "stats"
     self._names = {}      # state key -> display name
     self._counter_names = {}
 
   def ensure(self, compressor, key: str, name: str, counters) -> dict:
     """Creates the state of one variable (and the overall state) if missing."""
     if not self.overall:
-      zeros = tf.zeros([len(FIELDS)], tf.float64)
       # Filled in place: re-assigning a tracked attribute skips the deferred
       # restore of a checkpoint read before this state existed.
-      self.overall.update({
-          "last": compressor.per_replica_state(zeros, name="tf_dct_stats/last"),
-          "total": compressor.per_replica_state(zeros, name="tf_dct_stats/total"),
-          "steps": compressor.per_replica_state(tf.zeros([], tf.int64),
-                                                name="tf_dct_stats/steps")})
+      self.overall["stats"] = compressor.per_replica_state(
+          tf.zeros([2, len(FIELDS) + 1], tf.float64), name="tf_dct_stats/all")
     if key not in self.per_variable:
       taken = set(self._names.values())
       self._names[key] = name if name not in taken else key
       self._counter_names[key] = tuple(sorted(counters))
-      base = f"tf_dct_stats/{key}"
-      st = {"last": compressor.per_replica_state(
-                tf.zeros([len(FIELDS) + 1], tf.float64), name=f"{base}/last"),
-            "total": compressor.per_replica_state(
-                tf.zeros([len(FIELDS) + 1], tf.float64), name=f"{base}/total")}
-      if counters:
-        st["counters"] = compressor.per_replica_state(
-            tf.zeros([len(counters)], tf.float64), name=f"{base}/counters")
-      self.per_variable[key] = st
+      width = len(FIELDS) + 1 + len(counters)
+      self.per_variable[key] = {"stats": compressor.per_replica_state(
+          tf.zeros([2, width], tf.float64), name=f"tf_dct_stats/{key}")}
     elif not set(counters) <= set(self._counter_names[key]):
       raise ValueError(f"variable {self._names[key]!r} reported counters "
                        f"{sorted(counters)}; declared: "
@@ -227,58 +224,75 @@ class Accounting(tf.Module):
     """Writes this step's records of the calling replica (in replica context).
 
     All records go into one [V, len(FIELDS) + 1] matrix (fields, then tau)
-    built with a few ops whatever V is; each variable then takes its row.
+    built with a few ops whatever V is, the counter amounts into one [V, C]
+    matrix (C the most counters of a variable, zero-padded); the variables
+    of one width are then updated together.
     """
     keys = list(records)
     recs = [records[k] for k in keys]
+    fields = len(FIELDS)
     static = np.stack([r.static_vector(num_replicas) for r in recs])
-    columns = [tf.constant(static[:, i]) for i in range(len(FIELDS))]
+    columns = [tf.constant(static[:, i]) for i in range(fields)]
     dynamic = [r.dynamic_fields() for r in recs]
     for name in dynamic[0]:
       columns[FIELDS.index(name)] = _as_float64_vector([d[name] for d in dynamic])
     columns.append(_as_float64_vector(
         [0.0 if r.threshold is None else r.threshold for r in recs]))
     last = tf.stack(columns, axis=1)
-    # total: the fields and a step count of 1 where `last` holds tau.
-    total = tf.concat([last[:, :len(FIELDS)], tf.ones([len(recs), 1], tf.float64)],
+    # What the total row adds: the fields and a step count of 1 where `last`
+    # holds tau.
+    added = tf.concat([last[:, :fields], tf.ones([len(recs), 1], tf.float64)],
                       axis=1)
-    counted = [k for k in keys if "counters" in self.per_variable[k]]
-    if counted:
-      amounts = _as_float64_vector([records[k].counters.get(c, 0) for k in counted
-                                    for c in self._counter_names[k]])
-      amounts = tf.split(amounts, [len(self._counter_names[k]) for k in counted])
-      for key, amount in zip(counted, amounts):
-        self.per_variable[key]["counters"].local().assign_add(amount)
-    for key, row, add in zip(keys, tf.unstack(last), tf.unstack(total)):
-      self.per_variable[key]["last"].local().assign(row)
-      self.per_variable[key]["total"].local().assign_add(add)
-    step_vec = tf.reduce_sum(last[:, :len(FIELDS)], axis=0)
-    self.overall["last"].local().assign(step_vec)
-    self.overall["total"].local().assign_add(step_vec)
-    steps = self.overall["steps"].local().assign_add(1)
+    widest = max(len(self._counter_names[k]) for k in keys)
+    if widest:
+      amounts = tf.reshape(_as_float64_vector(
+          [records[k].counters.get(c, 0) for k in keys
+           for c in self._counter_names[k]
+           + ("",) * (widest - len(self._counter_names[k]))]), [len(keys), widest])
+      last = tf.concat([last, amounts], axis=1)
+      added = tf.concat([added, amounts], axis=1)
+    rows = {}  # key -> its new [2, width] matrix
+    by_width = {}
+    for i, key in enumerate(keys):
+      by_width.setdefault(len(self._counter_names[key]), []).append(i)
+    for count, members in by_width.items():
+      width = fields + 1 + count
+      pick = ((lambda t: t[:, :width]) if len(members) == len(keys)
+              else (lambda t: tf.gather(t[:, :width], members)))
+      old = tf.stack([self.per_variable[keys[i]]["stats"].local().read_value()
+                      for i in members])
+      new = tf.stack([pick(last), old[:, TOTAL] + pick(added)], axis=1)
+      for i, value in zip(members, tf.unstack(new)):
+        self.per_variable[keys[i]]["stats"].local().assign(value)
+        rows[keys[i]] = value
+    overall = self.overall["stats"].local()
+    step_vec = tf.reduce_sum(last[:, :fields], axis=0)
+    zero_one = tf.constant([[0.0], [1.0]], tf.float64)
+    new = tf.concat([tf.stack([step_vec, step_vec]), zero_one], axis=1)
+    new += tf.stack([tf.zeros([fields + 1], tf.float64),
+                     overall.read_value()[TOTAL]])
+    overall.assign(new)
     if summaries:
-      vectors = dict(zip(keys, tf.unstack(last[:, :len(FIELDS)])))
-      self._summarize(records, vectors, step_vec, steps)
+      self._summarize(records, rows, step_vec, new[TOTAL, fields])
 
-  def _summarize(self, records, vectors, step_vec, steps) -> None:
+  def _summarize(self, records, rows, step_vec, steps) -> None:
     step = tf.summary.experimental.get_step()
     if step is None:
-      step = steps
+      step = tf.cast(steps, tf.int64)
     field = {f: i for i, f in enumerate(FIELDS)}
     for name in _SCALARS:
       write_scalar(f"tf_dct/{name}", step_vec[field[name]], step)
     write_scalar("tf_dct/density",
                  step_vec[field["nnz"]] / step_vec[field["size"]], step)
     for key, rec in records.items():
-      name, vec = self._names[key], vectors[key]
+      name, row = self._names[key], rows[key]
       write_scalar(f"tf_dct/density/{name}",
-                   vec[field["nnz"]] / vec[field["size"]], step)
+                   row[LAST, field["nnz"]] / row[LAST, field["size"]], step)
       if rec.threshold is not None:
         write_scalar(f"tf_dct/threshold/{name}", rec.threshold, step)
-      if "counters" in self.per_variable[key]:
-        counts = self.per_variable[key]["counters"].local()
-        for i, c in enumerate(self._counter_names[key]):
-          write_scalar(f"tf_dct/{c}/{name}", counts[i], step)
+      for i, c in enumerate(self._counter_names[key]):
+        write_scalar(f"tf_dct/{c}/{name}", row[TOTAL, len(FIELDS) + 1 + i],
+                     step)
 
   def to_python(self, replicator) -> dict:
     """The statistics as plain Python / numpy values, per local replica."""
@@ -290,18 +304,21 @@ class Accounting(tf.Module):
            "total": _fields(None, local), "variables": {}}
     if not self.overall:
       return out
-    out["steps"] = [int(s) for s in self.overall["steps"].numpy()]
-    out["last"] = _fields(self.overall["last"].numpy(), local)
-    out["total"] = _fields(self.overall["total"].numpy(), local)
+    fields = len(FIELDS)
+    overall = self.overall["stats"].numpy()
+    out["steps"] = [int(m[TOTAL, fields]) for m in overall]
+    out["last"] = _fields([m[LAST] for m in overall], local)
+    out["total"] = _fields([m[TOTAL] for m in overall], local)
     for key, st in self.per_variable.items():
-      last, total = st["last"].numpy(), st["total"].numpy()
-      var = {"size": int(last[0][FIELDS.index("size")]) if total[0][-1] else None,
-             "steps": [int(t[-1]) for t in total],
+      stats = st["stats"].numpy()
+      last, total = [m[LAST] for m in stats], [m[TOTAL] for m in stats]
+      var = {"size": (int(last[0][FIELDS.index("size")]) if total[0][fields]
+                      else None),
+             "steps": [int(t[fields]) for t in total],
              "last": _fields(last, local), "total": _fields(total, local)}
-      var["last"]["threshold"] = [float(v[len(FIELDS)]) for v in last]
-      if "counters" in st:
-        counts = st["counters"].numpy()
-        var["counters"] = {c: [int(v[i]) for v in counts]
+      var["last"]["threshold"] = [float(v[fields]) for v in last]
+      if self._counter_names[key]:
+        var["counters"] = {c: [int(v[fields + 1 + i]) for v in total]
                            for i, c in enumerate(self._counter_names[key])}
       out["variables"][self._names[key]] = var
     return out
