@@ -422,6 +422,18 @@ class LibraryTest(tf.test.TestCase):
       with mock.patch.object(tf, "__version__", "0.0.0"):
         self.assertNotEqual(native.library_path(), path)
 
+  def test_x86_builds_for_this_cpu_keyed_by_its_instruction_sets(self):
+    with mock.patch.object(native.platform, "machine", lambda: "x86_64"):
+      self.assertIn("-march=native", native._flags())
+      path = native.library_path()
+      with mock.patch.object(native, "_cpu_features", lambda: "sse2"):
+        self.assertNotEqual(native.library_path(), path)
+    with mock.patch.object(native.platform, "machine", lambda: "aarch64"):
+      self.assertNotIn("-march=native", native._flags())
+      path = native.library_path()
+      with mock.patch.object(native, "_cpu_features", lambda: "sse2"):
+        self.assertEqual(native.library_path(), path)
+
 
 if __name__ == "__main__":
   tf.test.main()
