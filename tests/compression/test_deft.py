@@ -271,8 +271,9 @@ class ConservationTest(tf.test.TestCase):
     # Replicas held back different errors (per-replica state), and the union
     # is about k_total = floor(49 * 0.1) = 4 entries (P = 7 partitions).
     self.assertNotAllClose(residuals[0][0], residuals[0][1])
-    sent = sum(int(st["sent"].numpy()[0])
-               for st in compressor.state.values() if st)
+    variables = [ref.deref() for ref in compressor._keys]  # pylint: disable=protected-access
+    sent = sum(int(compressor.state_values(v)["sent"][0])
+               for v in variables if compressor.state_for(v))
     self.assertBetween(sent, 4, 4 + 6)
 
 

@@ -20,6 +20,7 @@ import re
 import threading
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dct import _private
@@ -270,9 +271,44 @@ class Compressor(tf.Module):
 
   def state_values(self, variable: tf.Variable) -> dict:
     """This worker's values of `variable`'s state, by name: per local
-    replica, in local replica order (numpy). Compressors that pack several
-    values into one state variable return them by their own names."""
-    return {key: s.numpy() for key, s in self.state_for(variable).items()}
+    replica, in local replica order (numpy). The packed `scalars` come back
+    as the scalars they hold (`scalar_dtypes`), each of its own dtype."""
+    out = {key: s.numpy() for key, s in self.state_for(variable).items()}
+    if "scalars" in out:
+      rows = np.asarray(out.pop("scalars"))
+      for i, (name, dtype) in enumerate(self.scalar_dtypes(variable).items()):
+        out[name] = [dtype.as_numpy_dtype(x) for x in rows[:, i]]
+    return out
+
+  def scalar_dtypes(self, variable: tf.Variable) -> dict:
+    """Names and dtypes of the per-variable scalars of the state (step
+    counters, thresholds, last-step counts), in the order they are packed
+    into its float64 `scalars` entry; {} when there are none.
+
+    They share one variable because every variable a step touches costs
+    time on each call of the step function, whatever it holds (several
+    percent of a small model's step, docs/benchmarks.md). float64 holds
+    each exactly: floats of at most 64 bits, integers below 2^53.
+    """
+    del variable
+    return {}
+
+  def scalars_state(self, variable: tf.Variable, name: str):
+    """The `scalars` entry of `variable`'s state: float64 zeros, one per
+    `scalar_dtypes(variable)`."""
+    return self.per_replica_state(
+        tf.zeros([len(self.scalar_dtypes(variable))], tf.float64), name=name)
+
+  def pack_scalars(self, variable: tf.Variable, values: dict) -> tf.Tensor:
+    """float64 `scalars` of `variable` from {name: scalar}, every name of
+    `scalar_dtypes(variable)` given."""
+    return tf.stack([tf.cast(values[name], tf.float64)
+                     for name in self.scalar_dtypes(variable)])
+
+  def unpack_scalars(self, variable: tf.Variable, packed) -> dict:
+    """{name: scalar of its dtype} from a `scalars` value of `variable`."""
+    return {name: tf.cast(packed[i], dtype) for i, (name, dtype)
+            in enumerate(self.scalar_dtypes(variable).items())}
 
   def _states_for(self, variables) -> list[dict]:
     with self._lock:

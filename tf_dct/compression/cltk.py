@@ -16,12 +16,12 @@ Conventions (tests/compression/reference_baselines.py follows them exactly):
 * The positions are broadcast by an int32 SUM all-reduce of a k-slot buffer
   that only the leader fills (static shape; no collective inside `tf.cond`),
   sorted ascending. Then one SUM all-reduce of every replica's k values.
-* The step counter t is per variable and per replica (state `step`); all
+* The step counter t is per variable and per replica (scalar `step`); all
   replicas advance it together, so they always agree on the leader.
 * Dense variables (`min_size`), warmup, non-finite gradients and state as in
   TopK / DCTDP (see tf_dct/compression/topk.py). State per compressed variable
-  and replica: `residual`, `step`, `sent` (k, or n on a warmup step),
-  `overflow` (always 0).
+  and replica: `residual`, and `scalars` packing `step`, `sent` (k, or n on
+  a warmup step) and `overflow` (always 0).
 """
 
 from __future__ import annotations

@@ -292,21 +292,11 @@ class DCTDP(Compressor):
     return {
         "residual": self.per_replica_state(
             tf.zeros(variable.shape, variable.dtype), name=f"{base}/residual"),
-        "scalars": self.per_replica_state(
-            tf.zeros([len(SCALARS)], tf.float64), name=f"{base}/scalars"),
+        "scalars": self.scalars_state(variable, f"{base}/scalars"),
     }
 
-  def state_values(self, variable):
-    """As `Compressor.state_values`, with `scalars` split into `SCALARS`:
-    `threshold` of the variable's dtype, `step` int64, `sent` and
-    `overflow` int32."""
-    out = super().state_values(variable)
-    if "scalars" in out:
-      rows = np.asarray(out.pop("scalars"))
-      dtypes = (variable.dtype.as_numpy_dtype, np.int64, np.int32, np.int32)
-      out.update({name: [dtype(x) for x in rows[:, i]]
-                  for i, (name, dtype) in enumerate(zip(SCALARS, dtypes))})
-    return out
+  def scalar_dtypes(self, variable):
+    return dict(zip(SCALARS, (variable.dtype, tf.int64, tf.int32, tf.int32)))
 
   def reduce(self, ctx, grads, variables, states):
     grads = error_feedback.densify_unless(grads, [bool(st) for st in states])

@@ -88,10 +88,11 @@ Conventions (tests/compression/reference_deft.py follows them exactly):
   into a copy of the residual (`error_feedback.accumulate`), as in DCTDP.
   Variables below `min_size` are densified (dense all-reduce).
 
-State per compressed variable and replica: `residual` (E), `step` (int64) and
-two int32 statistics of the last step: `sent` (entries of this variable in the
-union; its size on a warmup step) and `selected` (entries of this variable this
-replica chose itself).
+State per compressed variable and replica: `residual` (E), and `scalars`
+packing `step` (int64) and two int32 statistics of the last step: `sent`
+(entries of this variable in the union; its size on a warmup step) and
+`selected` (entries of this variable this replica chose itself); see
+`Compressor.scalar_dtypes`.
 """
 
 from __future__ import annotations
@@ -315,13 +316,14 @@ class DEFT(Compressor):
     if n == 0 or n < self.min_size:
       return {}
     base = "deft/" + re.sub(r"[^A-Za-z0-9_]+", "_", variable.name.split(":")[0])
-    make = lambda init, what: self.per_replica_state(init, name=f"{base}/{what}")
     return {
-        "residual": make(tf.zeros(variable.shape, variable.dtype), "residual"),
-        "step": make(tf.zeros([], tf.int64), "step"),
-        "sent": make(tf.zeros([], tf.int32), "sent"),
-        "selected": make(tf.zeros([], tf.int32), "selected"),
+        "residual": self.per_replica_state(
+            tf.zeros(variable.shape, variable.dtype), name=f"{base}/residual"),
+        "scalars": self.scalars_state(variable, f"{base}/scalars"),
     }
+
+  def scalar_dtypes(self, variable):
+    return {"step": tf.int64, "sent": tf.int32, "selected": tf.int32}
 
   def reduce(self, ctx, grads, variables, states):
     grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
@@ -329,7 +331,7 @@ class DEFT(Compressor):
     # (see `error_feedback.checked_reads`); variables without state (below
     # min_size, or empty) go to a plain dense SUM.
     checked, values, dense_items = error_feedback.checked_reads(
-        "DEFT", grads, variables, states, ("residual", "step"))
+        "DEFT", grads, variables, states, ("residual", "scalars"))
     results = [None] * len(grads)
     groups = {}       # dtype -> positions of its compressed variables
     writes = []
@@ -395,7 +397,9 @@ class DEFT(Compressor):
     k_total = total_k(n_g, self.density)
     cap = union_capacity(n_g, k_total, len(parts))
     residuals = [st["residual"].local() for st in states]
-    step = values[0]["step"]
+    steps = [self.unpack_scalars(v, value["scalars"])["step"]
+             for v, value in zip(variables, values)]
+    step = steps[0]
 
     # DEFT Algorithm 1 line 5: acc = g + E, all variables in one flat vector.
     acc = tf.concat([error_feedback.accumulate(g, value["residual"], v)
@@ -457,8 +461,7 @@ class DEFT(Compressor):
     def write():
       for i, (r, st) in enumerate(zip(residuals, states)):
         r.assign(tf.reshape(kept[i], variables[i].shape))
-        st["step"].local().assign_add(1)
-        st["sent"].local().assign(sent[i])
-        st["selected"].local().assign(selected[i])
+        st["scalars"].local().assign(self.pack_scalars(variables[i], {
+            "step": steps[i] + 1, "sent": sent[i], "selected": selected[i]}))
 
     return sparse, dense, write

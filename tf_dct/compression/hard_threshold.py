@@ -16,7 +16,7 @@ Conventions (tests/compression/reference_baselines.py follows them exactly):
   (counted in `overflow`), nothing is dropped.
 * Dense variables (`min_size`), warmup, non-finite gradients and state as in
   TopK / DCTDP (see tf_dct/compression/topk.py). State per compressed variable
-  and replica: `residual`, `step`, `sent`, `overflow`.
+  and replica: `residual`, and `scalars` packing `step`, `sent`, `overflow`.
 """
 
 from __future__ import annotations

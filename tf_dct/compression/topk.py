@@ -34,9 +34,10 @@ Conventions (tests/compression/reference_baselines.py follows them exactly):
   into a copy of the residual (`error_feedback.accumulate`), as in DCTDP.
   Variables below `min_size` are densified (dense all-reduce).
 
-State per compressed variable and replica: `residual`, `step` (int64),
-`sent` and `overflow` (int32, last step, as in DCTDP) and `threshold` (tau of
-the last step).
+State per compressed variable and replica: `residual`, and `scalars`
+packing `step` (int64), `sent` and `overflow` (int32, last step, as in
+DCTDP) and `threshold` (tau of the last step); see
+`Compressor.scalar_dtypes`.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class ErrorFeedbackCompressor(Compressor):
       `Compressor.reduce_as_is`).
   """
 
+  # Further per-variable scalars of the state, of the variable's dtype;
+  # `_select` returns their new values in `extra` on every step.
   _extra_state_keys: tuple = ()
 
   def __init__(self, min_size: int = 0, warmup_steps: int = 0,
@@ -130,14 +133,14 @@ class ErrorFeedbackCompressor(Compressor):
       return {}
     base = type(self).__name__.lower() + "/" + re.sub(r"[^A-Za-z0-9_]+", "_",
                                         variable.name.split(":")[0])
-    init = {"residual": tf.zeros(variable.shape, variable.dtype),
-            "step": tf.zeros([], tf.int64),
-            "sent": tf.zeros([], tf.int32),
-            "overflow": tf.zeros([], tf.int32)}
-    init.update({key: tf.zeros([], variable.dtype)
-                 for key in self._extra_state_keys})
-    return {key: self.per_replica_state(value, name=f"{base}/{key}")
-            for key, value in init.items()}
+    return {"residual": self.per_replica_state(
+                tf.zeros(variable.shape, variable.dtype), name=f"{base}/residual"),
+            "scalars": self.scalars_state(variable, f"{base}/scalars")}
+
+  def scalar_dtypes(self, variable):
+    dtypes = {"step": tf.int64, "sent": tf.int32, "overflow": tf.int32}
+    dtypes.update({key: variable.dtype for key in self._extra_state_keys})
+    return dtypes
 
   def reduce(self, ctx, grads, variables, states):
     grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
@@ -145,7 +148,7 @@ class ErrorFeedbackCompressor(Compressor):
     # (see `error_feedback.checked_reads`); variables without state (below
     # min_size, or empty) go to a plain dense SUM.
     checked, values, dense = error_feedback.checked_reads(
-        type(self).__name__, grads, variables, states, ("residual", "step"))
+        type(self).__name__, grads, variables, states, ("residual", "scalars"))
     results = [None] * len(grads)
     items = []    # (position, variable, state, Item)
     for i, (g, v, st, value) in enumerate(zip(checked, variables, states, values)):
@@ -153,7 +156,7 @@ class ErrorFeedbackCompressor(Compressor):
         continue
       acc = error_feedback.accumulate(             # DEFT Algorithm 1 line 5
           g, value["residual"], v)
-      step = value["step"]
+      step = self.unpack_scalars(v, value["scalars"])["step"]
       warm = step < self.warmup_steps if self.warmup_steps else None
       items.append((i, v, st, Item(acc, step, warm, v.shape.num_elements())))
       if warm is not None:
@@ -199,11 +202,8 @@ class ErrorFeedbackCompressor(Compressor):
       sent = tf.where(item.warm, item.n, sent)
       overflow = tf.where(item.warm, 0, overflow)
     st["residual"].local().assign(tf.reshape(residual, variable.shape))
-    st["step"].local().assign_add(1)
-    st["sent"].local().assign(sent)
-    st["overflow"].local().assign(overflow)
-    for key, value in out.extra.items():
-      st[key].local().assign(value)
+    st["scalars"].local().assign(self.pack_scalars(variable, dict(
+        out.extra, step=item.step + 1, sent=sent, overflow=overflow)))
 
   def _select(self, item: Item):
     """Returns `(mask, capacity, selected, extra)` for the union exchange.
