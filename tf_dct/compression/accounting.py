@@ -244,11 +244,11 @@ class Accounting(tf.Module):
     added = tf.concat([last[:, :fields], tf.ones([len(recs), 1], tf.float64)],
                       axis=1)
     widest = max(len(self._counter_names[k]) for k in keys)
-    if widest:
+    if widest:  # zero-padded past a variable's own counters
       amounts = tf.reshape(_as_float64_vector(
-          [records[k].counters.get(c, 0) for k in keys
-           for c in self._counter_names[k]
-           + ("",) * (widest - len(self._counter_names[k]))]), [len(keys), widest])
+          [a for k in keys for a in
+           [records[k].counters.get(c, 0) for c in self._counter_names[k]]
+           + [0] * (widest - len(self._counter_names[k]))]), [len(keys), widest])
       last = tf.concat([last, amounts], axis=1)
       added = tf.concat([added, amounts], axis=1)
     rows = {}  # key -> its new [2, width] matrix
@@ -267,10 +267,11 @@ class Accounting(tf.Module):
         rows[keys[i]] = value
     overall = self.overall["stats"].local()
     step_vec = tf.reduce_sum(last[:, :fields], axis=0)
-    zero_one = tf.constant([[0.0], [1.0]], tf.float64)
-    new = tf.concat([tf.stack([step_vec, step_vec]), zero_one], axis=1)
-    new += tf.stack([tf.zeros([fields + 1], tf.float64),
-                     overall.read_value()[TOTAL]])
+    # As for a variable: this step (steps column 0), and the totals plus
+    # this step with a step count of 1.
+    zero, one = (tf.constant([x], tf.float64) for x in (0.0, 1.0))
+    new = tf.stack([tf.concat([step_vec, zero], 0),
+                    overall.read_value()[TOTAL] + tf.concat([step_vec, one], 0)])
     overall.assign(new)
     if summaries:
       self._summarize(records, rows, step_vec, new[TOTAL, fields])

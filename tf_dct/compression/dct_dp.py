@@ -441,6 +441,7 @@ class DCTDP(Compressor):
     variables' dtype) as [V] tensors."""
     variables = [v for _, v, _, _ in group]
     sizes = [v.shape.num_elements() for v in variables]
+    # `unpack_scalars` for the whole group at once: one [V, 4] matrix.
     scalars = tf.stack([value["scalars"] for _, _, _, value in group])
     return ([acc for acc, _, _, _ in group], variables,
             [st for _, _, st, _ in group], sizes,
@@ -625,6 +626,7 @@ class DCTDP(Compressor):
           counters=counters), warms[v]))
 
     def write():
+      # `pack_scalars` for the whole group at once, then one row each.
       columns = {"threshold": tau, "step": k + 1, "sent": count,
                  "overflow": overflow}
       scalars = tf.unstack(tf.stack(
