@@ -200,6 +200,56 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
     self.assertLen(traces, 4)
     self.assertEqual(compressor.communication_stats()["steps"], [2] * 4)
 
+  @parameterized.parameters("tf_keras", "keras3")
+  def test_slots_built_outside_the_scope_are_per_replica(self, flavour):
+    # Building after the `with` block must still give each replica its own
+    # copy of Adam's moments: one shared variable would be updated by every
+    # replica in turn (moments advanced num_replicas times a step, replicas'
+    # weights drifting apart).
+    k = FLAVOURS[flavour]
+    repl = tf_dct.Replicator(self.devices)
+    with repl.scope():
+      model = _model(k)
+      opt = repl.wrap_optimizer(k.optimizers.Adam(0.05))
+    opt.build(model.trainable_variables)
+    x, y = _data()
+
+    def step_fn(batch):
+      xb, yb = batch
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(model(xb) - yb)) / 32.0
+      grads = tape.gradient(loss, model.trainable_variables)
+      opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
+    input_fn = lambda ctx: data
+    for _ in range(3):
+      repl.run(step_fn, input_fn)
+    for w in model.trainable_variables:
+      w = getattr(w, "value", w) if flavour == "keras3" else w
+      copies = [c.numpy() for c in w.values]
+      self.assertLen(copies, len(self.devices))
+      for c in copies[1:]:
+        self.assertAllEqual(c, copies[0])
+    # The same steps under the built-in strategy, its optimizer built in scope.
+    with self.builtin.scope():
+      ref_model = _model(k)
+      ref_opt = k.optimizers.Adam(0.05)
+      ref_opt.build(ref_model.trainable_variables)
+
+    def ref_step(xb, yb):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(ref_model(xb) - yb)) / 32.0
+      grads = tape.gradient(loss, ref_model.trainable_variables)
+      ref_opt.apply_gradients(zip(grads, ref_model.trainable_variables))
+
+    dist = iter(self.builtin.experimental_distribute_dataset(data))
+    run = tf.function(lambda b: self.builtin.run(ref_step, args=b))
+    for _ in range(3):
+      run(next(dist))
+    for ours, ref in zip(model.get_weights(), ref_model.get_weights()):
+      self.assertAllClose(ours, ref, rtol=1e-5, atol=1e-6)
+
   def test_errors(self):
     repl = tf_dct.Replicator(self.devices)
     with repl.scope():

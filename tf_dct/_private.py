@@ -176,6 +176,12 @@ def run_independently(op: tf.Operation) -> None:
     manager.run_independently(op)
 
 
+def tf_keras_var_key(optimizer, variable):
+  """tf-keras `Optimizer._var_key`: one key for a distributed variable and
+  each of its per-device components (what `update_step` receives)."""
+  return optimizer._var_key(variable)  # pylint: disable=protected-access
+
+
 def check() -> None:
   """Raises AssertionError if a private API we rely on has drifted."""
   from tensorflow.python.framework import auto_control_deps as acd  # pylint: disable=g-import-not-at-top
@@ -229,6 +235,13 @@ def check() -> None:
   from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
   assert callable(getattr(control_flow_util, "GraphOrParentsInXlaContext", None)), (
       "control_flow_util.GraphOrParentsInXlaContext is gone")
+  import tf_keras  # pylint: disable=g-import-not-at-top
+  src = inspect.getsource(tf_keras.optimizers.Optimizer._var_key)
+  assert "_distributed_container" in src, (
+      "tf-keras Optimizer._var_key no longer maps components to their container")
+  src = inspect.getsource(tf_keras.optimizers.SGD.update_step)
+  assert "self.momentum" in src and "self.nesterov" in src, (
+      "tf-keras SGD.update_step no longer reads momentum / nesterov")
   base = keras3_optimizer_base()
   method = getattr(base, KERAS3_AGGREGATION_METHOD, None)
   assert callable(method), f"Keras 3 TFOptimizer.{KERAS3_AGGREGATION_METHOD} is gone"

@@ -18,8 +18,14 @@ import math
 import numpy as np
 
 
-def reference_capacity(n: int, sparsity: float, capacity_factor: float) -> int:
-  m = math.floor(Decimal(repr(float(sparsity))) * n)
+def reference_below(n: int, sparsity: float, min_count: int = 0) -> int:
+  """m = floor(n * sparsity) on the decimal sparsity, so that n - m >= min(n, min_count)."""
+  return min(math.floor(Decimal(repr(float(sparsity))) * n), n - min(n, min_count))
+
+
+def reference_capacity(n: int, sparsity: float, capacity_factor: float,
+                       min_count: int = 0) -> int:
+  m = reference_below(n, sparsity, min_count)
   expected = n - m
   return min(n, math.ceil(Decimal(repr(float(capacity_factor))) * expected))
 
@@ -34,14 +40,14 @@ class ReferenceStep:
 
 
 def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
-                     capacity_factor, min_size=0, warmup_steps=0):
+                     capacity_factor, min_size=0, warmup_steps=0, min_count=0):
   """Runs DCT-DP on a fixed gradient sequence of one variable.
 
   Args:
     grads_per_step_per_replica: grads[t][r] is replica r's gradient at step t
       (all the same shape and float dtype).
-    sparsity, threshold_life, capacity_factor, min_size, warmup_steps: as in
-      `DCTDP`.
+    sparsity, threshold_life, capacity_factor, min_size, warmup_steps,
+      min_count: as in `DCTDP` (min_count 0: Algorithm 1 as written).
 
   Returns:
     A list of `ReferenceStep`, one per step.
@@ -50,8 +56,8 @@ def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
   shape, dtype = first.shape, first.dtype
   n = first.size
   replicas = len(grads_per_step_per_replica[0])
-  m = math.floor(Decimal(repr(float(sparsity))) * n)
-  cap = reference_capacity(n, sparsity, capacity_factor)
+  m = reference_below(n, sparsity, min_count)
+  cap = reference_capacity(n, sparsity, capacity_factor, min_count)
   residual = [np.zeros(n, dtype) for _ in range(replicas)]
   tau = [dtype.type(0) for _ in range(replicas)]
   out = []

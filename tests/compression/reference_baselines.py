@@ -63,10 +63,13 @@ def _run(grads, select, min_size, warmup_steps):
 
 
 def topk_reference(grads, density, capacity_factor=1.0, min_size=0,
-                   warmup_steps=0):
-  """TopK on grads[t][r] (one variable); a list of `ReferenceStep`."""
+                   warmup_steps=0, min_count=0):
+  """TopK on grads[t][r] (one variable); a list of `ReferenceStep`.
+
+  min_count 0 is DEFT's Top-k as written; otherwise k >= min(n, min_count).
+  """
   n = np.asarray(grads[0][0]).size
-  k = count(n, density)
+  k = max(count(n, density), min(n, min_count))
   cap = capacity(n, k, capacity_factor)
 
   def select(t, accs):

@@ -38,8 +38,9 @@ def total_k(n_g, density):
   return max(1, math.floor(Decimal(repr(float(density))) * n_g))
 
 
-def local_k(norms, sizes, k_total):
-  """Algorithm 3 on float32 norms; returns a list of ints."""
+def local_k(norms, sizes, k_total, min_count=1):
+  """Algorithm 3 on float32 norms, each partition taking at least
+  min(size, max(1, min_count)); returns a list of ints."""
   norms = np.asarray(norms, np.float32)
   order = sorted(range(len(sizes)), key=lambda x: (-norms[x], x))
   rest = [np.float32(0)] * len(order)
@@ -52,7 +53,7 @@ def local_k(norms, sizes, k_total):
   for j, x in enumerate(order):
     ratio = np.float32(norms[x] / rest[j]) if rest[j] > 0 else np.float32(0)
     k_temp = np.float32(np.float32(k_remain) * ratio)
-    k[x] = min(sizes[x], max(1, int(math.floor(k_temp))))
+    k[x] = min(sizes[x], max(1, min_count, int(math.floor(k_temp))))
     k_remain -= k[x]
   return k
 
@@ -92,7 +93,7 @@ class ReferenceStep:
   selected_count: list  # selected_count[r][v]
 
 
-def deft_reference(grads, density, min_size=0, warmup_steps=0):
+def deft_reference(grads, density, min_size=0, warmup_steps=0, min_count=1):
   """Runs DEFT on grads[t][r][v] (numpy arrays, one float dtype).
 
   Variables below `min_size` are summed densely. Returns one ReferenceStep
@@ -120,7 +121,7 @@ def deft_reference(grads, density, min_size=0, warmup_steps=0):
       for x, (_, start, size) in enumerate(parts):
         piece = acc[r][start:start + size].astype(np.float32)
         norms[x] = np.float32(norms[x] + np.sqrt(np.sum(np.square(piece))))
-    k = local_k(norms, p_sizes, k_total)
+    k = local_k(norms, p_sizes, k_total, min_count)
     bins = pack(k, p_sizes, replicas)
     own = owners(bins, t, replicas)
     warm = t < warmup_steps

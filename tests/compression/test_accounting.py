@@ -113,7 +113,7 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     dense = 2 * (replicas - 1) / replicas * 4 * 43                  # 172
     logdir = self.create_tempdir().full_path
     compressor = DCTDP(sparsity=0.9, threshold_life=10, capacity_factor=1.0,
-                       min_size=10)
+                       min_size=10, min_count=0)
     outs = _run(compressor, grads, shapes, replicas, logdir)
     stats = compressor.communication_stats()
     self.assertEqual(stats["num_replicas"], 2)

@@ -74,10 +74,16 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
       ("2_replicas_stock_one_by_one", 2, {}, 0, False),
       ("2_replicas_warmup_stock_grouped", 2, {"warmup_steps": 3}, None, False),
       ("2_replicas_warmup_stock_one_by_one", 2, {"warmup_steps": 3}, 0, False),
+      # The default floor of 8 entries: both variables (30 and 17 entries)
+      # select 8 instead of 6 and 4; native and stock.
+      ("2_replicas_min_count", 2, {"min_count": 8}),
+      ("2_replicas_min_count_stock", 2, {"min_count": 8}, None, False),
   )
   def test_matches_reference(self, replicas, extra, fuse_size=None,
                              native=None):
-    kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5, **extra)
+    # min_count=0 unless given: Algorithm 1 as written.
+    kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5,
+                  **{"min_count": 0, **extra})
     grads = harness.gradients(12, replicas, seed=replicas)
     # density_band=None: Algorithm 1 as written, which the reference implements.
     # On CPU the native kernel selects every variable (native=None); with
@@ -99,7 +105,8 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
     # Step 0 sets tau from small gradients; tau is reused (life 100) when
     # step 1 brings gradients far above it everywhere.
     n, replicas = 40, 2
-    kwargs = dict(sparsity=0.9, threshold_life=100, capacity_factor=1.0)
+    kwargs = dict(sparsity=0.9, threshold_life=100, capacity_factor=1.0,
+                  min_count=0)
     cap = dct_dp.capacity(n, 0.9, 1.0)
     self.assertEqual(cap, 4)  # m = 36, a fresh tau selects k = 40 - 36 = 4
     rng = np.random.default_rng(3)
@@ -130,7 +137,7 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_compiles_with_xla(self):
     kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5,
-                  warmup_steps=1, min_size=20)
+                  warmup_steps=1, min_size=20, min_count=8)
     grads = harness.gradients(7, 1, seed=11)
     # jit_compile=True turns any op XLA cannot compile into an error, so the
     # run itself proves the step (dense, warmup and sparse paths) compiles.
@@ -179,6 +186,11 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(dct_dp.capacity(100, 0.99, 2.0), 2)  # 2 * K, K = 100 - 99
     self.assertEqual(dct_dp.capacity(5, 0.1, 2.0), 5)     # m = 0: all of n
     self.assertEqual(dct_dp.capacity(10, 0.5, 1.1), 6)    # ceil(1.1 * 5)
+    # A floor on k: m is lowered so that k >= min(n, min_count).
+    self.assertEqual(dct_dp.num_below(100, 0.99, 8), 92)
+    self.assertEqual(dct_dp.num_below(1000, 0.99, 8), 990)  # 10 >= 8 already
+    self.assertEqual(dct_dp.num_below(5, 0.99, 8), 0)       # k = n
+    self.assertEqual(dct_dp.capacity(100, 0.99, 2.0, 8), 16)
 
   def test_non_float_variable(self):
     repl = tf_dct.Replicator(["/cpu:0"])
@@ -261,7 +273,7 @@ class StateTest(tf.test.TestCase, parameterized.TestCase):
     if native is None and not native_ops.available():
       self.skipTest("native kernels unavailable")
     g = 1.0 + 1e-12 * np.arange(10, dtype=np.float64)
-    compressor = DCTDP(0.7, threshold_life=5, native=native)
+    compressor = DCTDP(0.7, threshold_life=5, native=native, min_count=0)
     repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"],
                              input_replication=tf_dct.PER_REPLICA)
     compressor.bind(repl)
@@ -473,7 +485,8 @@ class DensityGuardTest(tf.test.TestCase, parameterized.TestCase):
   @parameterized.named_parameters(("eager", False, 2), ("xla", True, 1))
   def test_drifting_scale_refreshes_early_and_conserves(self, jit, replicas):
     steps, n = 10, 50
-    kwargs = dict(sparsity=0.9, threshold_life=1000, capacity_factor=2.0)
+    kwargs = dict(sparsity=0.9, threshold_life=1000, capacity_factor=2.0,
+                  min_count=0)
     band = (0.5, 2.0)
     rng = np.random.default_rng(7)
     # The scale grows 1.5x per step: a reused tau selects ever more entries.

@@ -78,29 +78,42 @@ class DEFTReferenceTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(union, sum(ref_step.k))
         self.assertEqual(union, ref_step.union.sum())
         self.assertEqual(sum(len(c) for c in ref_step.selected), union)
-        self.assertBetween(union / n_g, 0.9 * kwargs["density"],
-                           1.1 * kwargs["density"])
+        if kwargs.get("min_count", 8) <= 1:  # the paper's floor of 1
+          self.assertBetween(union / n_g, 0.9 * kwargs["density"],
+                             1.1 * kwargs["density"])
+        else:  # every partition takes at least min(size, min_count)
+          parts = deft.partition([int(np.prod(SHAPES[v])) for v in comp],
+                                 replicas)
+          floors = [min(p.size, kwargs.get("min_count", 8)) for p in parts]
+          self.assertAllGreaterEqual(np.asarray(ref_step.k) - floors, 0)
+          self.assertLessEqual(union, deft.union_capacity(
+              n_g, deft.total_k(n_g, kwargs["density"]), len(parts),
+              kwargs.get("min_count", 8), [p.size for p in parts]))
     return repl, step_fn, ref
 
   @parameterized.named_parameters(
-      ("1_replica", 1, {}),
-      ("2_replicas", 2, {}),
-      ("4_replicas", 4, {}),
-      ("2_replicas_warmup_min_size", 2, {"warmup_steps": 2, "min_size": 25}),
+      ("1_replica", 1, {"min_count": 1}),
+      ("2_replicas", 2, {"min_count": 1}),
+      ("4_replicas", 4, {"min_count": 1}),
+      ("2_replicas_warmup_min_size", 2, {"warmup_steps": 2, "min_size": 25,
+                                         "min_count": 1}),
+      ("4_replicas_min_count_default", 4, {"min_count": 8}),
+      ("2_replicas_min_count_40", 2, {"min_count": 40}),
   )
   def test_matches_reference(self, replicas, extra):
     kwargs = dict(density=DENSITY, **extra)
     _, _, ref = self._compare(replicas, kwargs)
     # The run exercised what it is meant to: k differs between partitions,
     # owners rotate, and with n > 1 every replica selected something.
-    self.assertGreater(len(set(ref[-1].k)), 2)
+    # (With a floor of 8 most small partitions take exactly the floor.)
+    self.assertGreater(len(set(ref[-1].k)), 2 if kwargs["min_count"] <= 1 else 1)
     if replicas > 1:
       self.assertNotEqual(ref[-1].owners, ref[-2].owners)
       for r in range(replicas):
         self.assertNotEmpty(ref[-1].selected[r])
 
   def test_compiles_with_xla(self):
-    kwargs = dict(density=DENSITY, warmup_steps=1, min_size=25)
+    kwargs = dict(density=DENSITY, warmup_steps=1, min_size=25, min_count=8)
     # jit_compile=True turns any op XLA cannot compile into an error, so the
     # run itself proves the step (dense, warmup and sparse paths) compiles.
     repl, step_fn, _ = self._compare(1, kwargs, steps=4, jit_compile=True)
@@ -135,6 +148,9 @@ class PlanTest(tf.test.TestCase):
     self.assertEqual(deft.total_k(7, 1.0), 7)
     self.assertEqual(deft.union_capacity(1000, 10, 5), 14)
     self.assertEqual(deft.union_capacity(12, 10, 5), 12)
+    # A floor of min(size, min_count) per partition: k_total + sum of floors.
+    self.assertEqual(deft.union_capacity(1000, 10, 3, 8, [100, 5, 50]), 31)
+    self.assertEqual(deft.union_capacity(1000, 10, 3, 1, [100, 5, 50]), 12)
 
   def test_local_k_pack_owners(self):
     rng = np.random.default_rng(1)
@@ -160,6 +176,28 @@ class PlanTest(tf.test.TestCase):
         self.assertTrue(all(1 <= kx <= s for kx, s in zip(k, sizes)))
         low = len(sizes) if trial == 3 else min(k_total, sum(sizes)) - len(sizes)
         self.assertBetween(sum(k), low, k_total + len(sizes) - 1)
+
+  def test_local_k_with_min_count(self):
+    rng = np.random.default_rng(2)
+    for sizes, k_total, min_count in [([300, 300, 50, 7, 1], 40, 8),
+                                      ([int(s) for s in rng.integers(1, 400, 20)],
+                                       30, 16),
+                                      ([5, 9, 2], 400, 8)]:
+      plan = tf.function(lambda norms, sizes=sizes, k_total=k_total, c=min_count:
+                         deft.local_k(norms, sizes, k_total, c))
+      for trial in range(8):
+        norms = rng.exponential(size=len(sizes)).astype(np.float32)
+        if trial % 4 == 2:   # one dominant partition: budget runs out
+          norms[0] *= 1e4
+        if trial == 3:
+          norms[:] = 0
+        k = plan(norms).numpy().tolist()
+        self.assertEqual(k, reference.local_k(norms, sizes, k_total, min_count))
+        floors = [min(s, min_count) for s in sizes]
+        self.assertTrue(all(f <= kx <= s for kx, f, s in zip(k, floors, sizes)),
+                        msg=f"{k} {sizes}")
+        self.assertLessEqual(sum(k), deft.union_capacity(
+            10**6, k_total, len(sizes), min_count, sizes))
 
 
 class OwnedTopKTest(tf.test.TestCase, parameterized.TestCase):
@@ -248,7 +286,8 @@ class AccountingTest(tf.test.TestCase):
     sizes = [int(np.prod(shape)) for shape in SHAPES]
     n_g = sum(sizes)
     parts = deft.partition(sizes, replicas)
-    cap = deft.union_capacity(n_g, deft.total_k(n_g, DENSITY), len(parts))
+    cap = deft.union_capacity(n_g, deft.total_k(n_g, DENSITY), len(parts),
+                              compressor.min_count, [p.size for p in parts])
     # One all-reduce of P float32 norms, of U int32 positions, of U values.
     moved = 4 * len(parts) + cap * (4 + 4)
     stats = compressor.communication_stats()
@@ -265,7 +304,7 @@ class ConservationTest(tf.test.TestCase):
   """SGD(lr=1): w0 - w_T + sum_r E_T == sum_t sum_r g_t (nothing is lost)."""
 
   def test_conservation_with_checkpoint(self):
-    compressor = DEFT(density=0.1)
+    compressor = DEFT(density=0.1, min_count=1)  # the paper's floor
     residuals = harness.check_conservation(self, compressor,
                                            layers=conservation.TWO_LAYERS)
     # Replicas held back different errors (per-replica state), and the union

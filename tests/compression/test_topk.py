@@ -33,14 +33,20 @@ class TopKReferenceTest(tf.test.TestCase, parameterized.TestCase):
       ("2_replicas_warmup_capacity", 2, {"warmup_steps": 2,
                                          "capacity_factor": 1.5}),
       ("4_replicas", 4, {}),
+      # The default floor: 8 entries of both variables (k would be 6 and 4).
+      ("2_replicas_min_count", 2, {"min_count": 8}),
   )
   def test_matches_reference(self, replicas, extra):
-    kwargs = dict(density=0.2, **extra)
+    # min_count=0 unless given: k = ceil(n * density) as published.
+    kwargs = dict(density=0.2, **{"min_count": 0, **extra})
     grads = harness.gradients(6, replicas, seed=replicas)
     _, _, _, history = harness.run(TopK(**kwargs), grads, replicas)
     refs = _refs(grads, **kwargs)
     harness.assert_matches(self, history, refs, replicas, check_tau=True)
-    if not extra:
+    if "min_count" in extra:
+      for _, states in history:
+        self.assertAllEqual(states[0]["sent"], [8] * replicas)
+    elif not extra:
       # The tied variable really had more ties than slots (overflow).
       overflow = np.array([h[1][1]["overflow"] for h in history])
       self.assertGreater(overflow.max(), 0)
@@ -64,7 +70,7 @@ class TopKReferenceTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllEqual(a.residuals, b.residuals)
 
   def test_compiles_with_xla(self):
-    kwargs = dict(density=0.2, warmup_steps=1, min_size=20)
+    kwargs = dict(density=0.2, warmup_steps=1, min_size=20, min_count=8)
     grads = harness.gradients(3, 1, seed=11)
     repl, step_fn, _, history = harness.run(TopK(**kwargs), grads, 1,
                                             jit_compile=True)

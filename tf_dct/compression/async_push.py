@@ -90,7 +90,8 @@ class AsyncPush:
   Args:
     replicator: the `tf_dct.AsyncReplicator` whose workers push.
     compressor: a `DCTDP` (its sparsity, threshold_life, capacity_factor,
-      min_size and warmup_steps are used), or None / `Dense()` for dense
+      min_size, min_count and warmup_steps are used; momentum correction
+      is not offered), or None / `Dense()` for dense
       pushes of the raw gradient.
     learning_rate: the server-side SGD step (a float > 0).
     drain_every: None (off) or D > 1: drain probability 1/D per step, see the
@@ -115,6 +116,10 @@ class AsyncPush:
     if compressor is not None and not isinstance(compressor, (dct_dp.DCTDP, Dense)):
       raise TypeError("AsyncPush: compressor must be None, Dense() or a DCTDP, "
                       f"got {type(compressor).__name__}")
+    if isinstance(compressor, dct_dp.DCTDP) and compressor.momentum:
+      raise ValueError("AsyncPush: the servers apply plain SGD pushes; "
+                       f"momentum correction (momentum={compressor.momentum}) "
+                       "is not available here, pass DCTDP(momentum=0)")
     if (isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float))
         or not learning_rate > 0):
       raise ValueError(f"AsyncPush: learning_rate must be a number > 0, got "
@@ -268,8 +273,8 @@ class AsyncPush:
     """DCT Algorithm 1 lines 2-12 for one variable on this worker."""
     c = self.compressor
     n = var.shape.num_elements()
-    m = dct_dp.num_below(n, c.sparsity)
-    cap = dct_dp.capacity(n, c.sparsity, c.capacity_factor)
+    m = dct_dp.num_below(n, c.sparsity, c.min_count)
+    cap = dct_dp.capacity(n, c.sparsity, c.capacity_factor, c.min_count)
     residual, threshold, step = st["residual"], st["threshold"], st["step"]
     # Per-worker variables cannot be read inside tf.cond branches.
     k = step.read_value()

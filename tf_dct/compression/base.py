@@ -16,6 +16,7 @@ model), readable with `communication_stats()` and written as summaries.
 
 from __future__ import annotations
 
+import numbers
 import re
 import threading
 from typing import Sequence
@@ -26,6 +27,7 @@ import tensorflow as tf
 from tf_dct import _private
 from tf_dct.compression import accounting
 from tf_dct.compression import error_feedback
+from tf_dct.compression import momentum_correction
 
 
 def state_key(position: int) -> str:
@@ -70,6 +72,45 @@ class Compressor(tf.Module):
     # None: time selection and write summaries unless the bound replicator
     # compiles with XLA; False: never (e.g. under your own jit_compile).
     self.time_selection = None
+    # Momentum correction (`momentum_correction`): 0.0 off; None until a
+    # Keras adapter takes it from a momentum SGD optimizer. Only compressors
+    # with an error-feedback residual offer it (`_init_momentum`).
+    self.momentum = 0.0
+    self.momentum_masking = True
+
+  def _init_momentum(self, momentum, momentum_masking) -> None:
+    """Validates and sets the momentum-correction options (see `corrects_momentum`)."""
+    owner = type(self).__name__
+    if momentum is not None:
+      ok = (isinstance(momentum, numbers.Real) and not isinstance(momentum, bool)
+            and 0 <= momentum < 1)
+      if not ok:
+        raise ValueError(f"{owner}: momentum must be None or a number in "
+                         f"[0, 1), got {momentum!r}")
+      momentum = float(momentum)
+    if not isinstance(momentum_masking, bool):
+      raise ValueError(f"{owner}: momentum_masking must be True or False, got "
+                       f"{momentum_masking!r}")
+    self.momentum = momentum
+    self.momentum_masking = momentum_masking
+
+  def set_momentum(self, momentum: float) -> None:
+    """Sets the momentum of the correction before any state exists (the
+    Keras adapters call it with a momentum SGD optimizer's momentum)."""
+    if self._keys:
+      raise ValueError(f"{type(self).__name__}: momentum must be set before the "
+                       "compressor creates its state (before the first step or "
+                       "optimizer.build)")
+    self._init_momentum(momentum, self.momentum_masking)
+
+  def corrects_momentum(self, variable) -> bool:
+    """Whether this compressor keeps the momentum of `variable`'s gradients
+    itself (momentum correction), so the optimizer must apply its aggregate
+    as plain SGD. False for variables sent as they are (excluded, below
+    `min_size`): those keep the optimizer's own momentum."""
+    if not self.momentum:
+      return False
+    return "velocity" in self.state_for(variable)
 
   @property
   def replicator(self):
@@ -318,12 +359,46 @@ class Compressor(tf.Module):
           key = state_key(len(self._keys))
           with tf.init_scope():  # state is created eagerly, once, for all replicas
             excluded = self.is_excluded(var)
-            self.state[key] = {} if excluded else self.create_state(var)
+            state = {} if excluded else self.create_state(var)
+            if state and self.momentum:  # momentum correction's velocity u
+              state["velocity"] = self.per_replica_state(
+                  tf.zeros(var.shape, var.dtype), name=self._state_name(
+                      var, "velocity"))
+            self.state[key] = state
             if self._replicator is not None:  # statistics too, so they restore
               self.accounting.ensure(self, key, var.name.split(":")[0],
                                      () if excluded else self.counter_names(var))
           self._keys[ref] = key  # only once its state exists
       return [self.state[self._keys[v.ref()]] for v in variables]
+
+  def _state_name(self, variable, what: str) -> str:
+    """Name of a state variable: compressor/variable/what."""
+    return "/".join((self.name, re.sub(r"[^A-Za-z0-9_]+", "_",
+                                       variable.name.split(":")[0]), what))
+
+  def _correct_momentum(self, grads, variables, states):
+    """Momentum correction before `reduce`: u = m * u + g per corrected
+    variable. Returns the gradients to compress and what `_mask_velocities`
+    needs after the step."""
+    out, pending = list(grads), []
+    for i, (g, v, st) in enumerate(zip(grads, variables, states)):
+      if "velocity" not in st:
+        continue
+      old_residual = st["residual"].local().read_value()
+      u = momentum_correction.velocity(
+          g, st["velocity"].local().read_value(), self.momentum, v)
+      out[i] = u
+      pending.append((st, u, old_residual))
+    return out, pending
+
+  def _mask_velocities(self, pending) -> None:
+    """Writes each corrected variable's velocity after `reduce` wrote its
+    residual (program order: the residual reads below see the new value)."""
+    for st, u, old_residual in pending:
+      if self.momentum_masking:                    # momentum factor masking
+        u = momentum_correction.masked(u, old_residual,
+                                       st["residual"].local().read_value())
+      st["velocity"].local().assign(u)
 
   def _snapshot(self, grads, states):
     """Under XLA: this replica's finiteness flag and its state before the step.
@@ -385,11 +460,15 @@ class Compressor(tf.Module):
     self._recording.records = {}
     try:
       kept_grads = [g for g, _, _ in kept]
+      kept_vars = [v for _, v, _ in kept]
       kept_states = [st for _, _, st in kept]
       undo = (_private.in_xla_context() and any(kept_states)
               and self._snapshot(kept_grads, kept_states))
-      out_kept = (self.reduce(ctx, kept_grads, [v for _, v, _ in kept], kept_states)
+      kept_grads, pending = self._correct_momentum(kept_grads, kept_vars,
+                                                   kept_states)
+      out_kept = (self.reduce(ctx, kept_grads, kept_vars, kept_states)
                   if kept else [])
+      self._mask_velocities(pending)
       if undo:
         out_kept = self._undo_if_non_finite(ctx, undo, out_kept)
       out_kept = iter(out_kept)

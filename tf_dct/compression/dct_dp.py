@@ -164,20 +164,22 @@ FUSE_SIZE = 8192
 SCALARS = ("threshold", "step", "sent", "overflow")
 
 
-def num_below(n: int, sparsity: float) -> int:
-  """m = floor(n * sparsity), computed on the decimal value of `sparsity`."""
-  return validation.floor_fraction(n, sparsity)
+def num_below(n: int, sparsity: float, min_count: int = 0) -> int:
+  """m = floor(n * sparsity), computed on the decimal value of `sparsity`,
+  lowered where needed so that k = n - m is at least min(n, min_count)."""
+  return min(validation.floor_fraction(n, sparsity), n - min(n, min_count))
 
 
-def expected_count(n: int, sparsity: float) -> int:
-  """k = n - floor(n * sparsity): entries a fresh threshold selects, no ties."""
-  return n - num_below(n, sparsity)
+def expected_count(n: int, sparsity: float, min_count: int = 0) -> int:
+  """k = n - m (`num_below`): entries a fresh threshold selects, no ties."""
+  return n - num_below(n, sparsity, min_count)
 
 
-def capacity(n: int, sparsity: float, capacity_factor: float) -> int:
+def capacity(n: int, sparsity: float, capacity_factor: float,
+             min_count: int = 0) -> int:
   """Wire slots per variable and replica: min(n, ceil(factor * expected))."""
   factor = validation.as_decimal(capacity_factor)
-  return min(n, math.ceil(factor * expected_count(n, sparsity)))
+  return min(n, math.ceil(factor * expected_count(n, sparsity, min_count)))
 
 
 def order_statistic_threshold(magnitudes: tf.Tensor, m: int) -> tf.Tensor:
@@ -240,6 +242,18 @@ class DCTDP(Compressor):
       variable and the long wire buffers (line 12). None
       (default): when they build, on CPU and outside XLA; False: never;
       True: the same, but raise at construction when they cannot be built.
+    min_count: every compressed variable selects at least min(n, min_count)
+      entries per step, an int >= 0 (beyond the paper; 0 is Algorithm 1
+      exactly). At sparsity 0.99 a bias or a small layer would otherwise
+      send 1-2 entries a step and fall far behind; 8 costs a few hundred
+      bytes per step on a whole model (docs/quality.md).
+    momentum: momentum correction (`momentum_correction`): each replica
+      keeps the velocity u = momentum * u + g of its gradients and feeds it
+      to error feedback; the optimizer must then be plain SGD for the
+      corrected variables. None (default): taken from a momentum SGD
+      optimizer by `wrap_optimizer` (tf-keras), else 0; 0: off.
+    momentum_masking: zero a replica's velocity where it sent an entry
+      (DGC's momentum factor masking).
 
   See the module docstring for the exact conventions.
   """
@@ -249,7 +263,8 @@ class DCTDP(Compressor):
                warmup_steps: int = 0, name: str | None = None,
                density_band: tuple[float, float] | None = (0.5, 2.0),
                index_encoding: str = "auto", exclude: Sequence[str] = (),
-               native: bool | None = None):
+               native: bool | None = None, min_count: int = 8,
+               momentum: float | None = None, momentum_masking: bool = True):
     super().__init__(name=name, exclude=exclude)
     self.sparsity = float(_check("sparsity", sparsity, numbers.Real, 0, True,
                                  1, True))
@@ -261,6 +276,9 @@ class DCTDP(Compressor):
     self.warmup_steps = int(_check("warmup_steps", warmup_steps,
                                    numbers.Integral, 0, False))
     self.density_band = _check_band(density_band)
+    self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
+                                False))
+    self._init_momentum(momentum, momentum_masking)
     if index_encoding != "auto" and index_encoding not in sparse_wire.ENCODINGS:
       raise ValueError(f"DCTDP: index_encoding must be 'auto' or one of "
                        f"{sparse_wire.ENCODINGS}, got {index_encoding!r}")
@@ -445,8 +463,9 @@ class DCTDP(Compressor):
     scalars = tf.stack([value["scalars"] for _, _, _, value in group])
     return ([acc for acc, _, _, _ in group], variables,
             [st for _, _, st, _ in group], sizes,
-            [num_below(n, self.sparsity) for n in sizes],
-            [capacity(n, self.sparsity, self.capacity_factor) for n in sizes],
+            [num_below(n, self.sparsity, self.min_count) for n in sizes],
+            [capacity(n, self.sparsity, self.capacity_factor, self.min_count)
+             for n in sizes],
             tf.cast(scalars[:, SCALARS.index("step")], tf.int64),
             tf.cast(scalars[:, SCALARS.index("threshold")], variables[0].dtype))
 

@@ -32,11 +32,14 @@ Conventions (tests/compression/reference_deft.py follows them exactly):
   accumulated in float32 one by one from the last visited (so it equals the
   last partition's own norm exactly; the paper subtracts instead).
   k_temp = k_remain * (norm / norm_remain) in float32 (0 if norm_remain is 0),
-  k_x = min(size_x, max(1, floor(k_temp))), k_remain -= k_x. The last
-  partition with a non-zero norm takes the whole remainder, so sum_x k_x ==
-  k_total unless a partition is capped at its size, or k_remain runs out (each
-  later partition still gets 1), or every norm is 0 (each partition gets 1):
-  sum_x k_x <= k_total + P - 1 always.
+  k_x = min(size_x, max(f, floor(k_temp))), k_remain -= k_x, where the
+  paper's floor f = 1 is raised to `min_count` (default 8, beyond the paper:
+  a partition with a small norm, e.g. a bias, would otherwise send one entry
+  a step). The last partition with a non-zero norm takes the whole
+  remainder, so sum_x k_x == k_total unless a partition is capped at its
+  size, or k_remain runs out (each later partition still gets its floor), or
+  every norm is 0: sum_x k_x <= k_total + P - 1 for f = 1 and
+  k_total + sum_x min(size_x, f) otherwise (`union_capacity`).
 * Packing (Algorithm 4). Cost c_x = size_x * max(1, log2 k_x), where log2 is
   Mitchell's piecewise-linear approximation read exactly from the float32 bits
   of k_x, in int64 fixed point (2^23 per octave). Integer costs make the
@@ -53,15 +56,15 @@ Conventions (tests/compression/reference_deft.py follows them exactly):
   partition and keeps the first k_x; equal magnitudes go to the lower position
   first. Outside XLA the top-k size is k_x itself (a run-time value). Under
   XLA shapes must be static, so the size is the smallest of a ladder of
-  static sizes (powers of two from 64, capped at K_x = min(size_x, k_total)
-  >= k_x) that holds k_x, picked by a `tf.switch_case` at run time: the
-  sorted top-k is a prefix of any larger sorted top-k, so the kept k_x
+  static sizes (powers of two from 64, capped at K_x = min(size_x,
+  max(k_total, f)) >= k_x) that holds k_x, picked by a `tf.switch_case` at
+  run time: the sorted top-k is a prefix of any larger sorted top-k, so the kept k_x
   positions are the same as with one top-k of K_x, at a cost of a top-k of at
   most 2 k_x instead of K_x. Non-owners run no top-k (no collective inside
   any branch).
 * Wire (Algorithm 1 lines 7-9). Every replica knows every k_x, so partition x
-  owns slots [o_x, o_x + k_x) of one union buffer of U = min(n_g,
-  k_total + P - 1) int32 slots, o_x = sum of k_y for y < x. Each replica
+  owns slots [o_x, o_x + k_x) of one union buffer of U (`union_capacity`)
+  int32 slots, o_x = sum of k_y for y < x. Each replica
   writes its positions into its partitions' slots, zeros elsewhere; a SUM
   all-reduce yields the union (unused slots hold n_g, the padding position).
   Then each replica gathers its accumulator at the union (padding reads 0) and
@@ -151,9 +154,18 @@ def total_k(num_entries: int, density: float) -> int:
   return max(1, validation.floor_fraction(num_entries, density))
 
 
-def union_capacity(num_entries: int, k_total: int, num_partitions: int) -> int:
-  """Slots of the union buffer: an upper bound of sum_x k_x."""
-  return min(num_entries, k_total + num_partitions - 1)
+def union_capacity(num_entries: int, k_total: int, num_partitions: int,
+                   min_count: int = 1, sizes: Sequence[int] = ()) -> int:
+  """Slots of the union buffer: an upper bound of sum_x k_x.
+
+  With a floor f_x = min(size_x, min_count) > 1 per partition (`local_k`),
+  each partition can take at most f_x beyond its share of the budget, so
+  sum_x k_x <= k_total + sum_x f_x; with f_x = 1 the first partition never
+  exceeds its share, hence k_total + P - 1.
+  """
+  if min_count <= 1:
+    return min(num_entries, k_total + num_partitions - 1)
+  return min(num_entries, k_total + sum(min(s, min_count) for s in sizes))
 
 
 def _descending_order(values: tf.Tensor, sentinel) -> tf.Tensor:
@@ -178,8 +190,13 @@ def _descending_order(values: tf.Tensor, sentinel) -> tf.Tensor:
   return order
 
 
-def local_k(norms: tf.Tensor, sizes: Sequence[int], k_total: int) -> tf.Tensor:
-  """k_x per partition from float32 `norms` (DEFT Algorithm 3), int32[P]."""
+def local_k(norms: tf.Tensor, sizes: Sequence[int], k_total: int,
+            min_count: int = 1) -> tf.Tensor:
+  """k_x per partition from float32 `norms` (DEFT Algorithm 3), int32[P].
+
+  Each partition takes at least min(size, max(1, min_count)) (the paper: 1).
+  """
+  floor = max(1, min_count)
   p = len(sizes)
   order = _descending_order(norms, -1.0)                 # highest norm first
   s_norm = tf.gather(norms, order)
@@ -193,8 +210,9 @@ def local_k(norms: tf.Tensor, sizes: Sequence[int], k_total: int) -> tf.Tensor:
     norm, remain, size = elems
     ratio = tf.math.divide_no_nan(norm, remain)  # DEFT Algorithm 3 lines 6-9
     k_temp = tf.cast(k_remain, tf.float32) * ratio  # DEFT Algorithm 3 line 7
-    # DEFT Algorithm 3 lines 10-13: min(size, max(1, floor(k_temp))).
-    k = tf.minimum(size, tf.maximum(1, tf.cast(tf.floor(k_temp), tf.int32)))
+    # DEFT Algorithm 3 lines 10-13: min(size, max(1, floor(k_temp))), with
+    # the floor raised to `min_count`.
+    k = tf.minimum(size, tf.maximum(floor, tf.cast(tf.floor(k_temp), tf.int32)))
     return k_remain - k, k  # DEFT Algorithm 3 line 14
 
   _, s_k = tf.scan(assign, (s_norm, rest, s_size),
@@ -298,14 +316,21 @@ class DEFT(Compressor):
     exclude: regular expressions searched in variable names; matching
       variables are all-reduced as they are and keep no state (see
       `Compressor.reduce_as_is`).
+    min_count: every partition takes at least min(size, min_count) of the
+      budget, an int >= 0 (the paper: 1; values below 1 mean 1).
+    momentum, momentum_masking: momentum correction, as in `DCTDP`.
 
   See the module docstring for the exact conventions.
   """
 
   def __init__(self, density: float = 0.01, min_size: int = 0,
                warmup_steps: int = 0, name: str | None = None,
-               exclude: Sequence[str] = ()):
+               exclude: Sequence[str] = (), min_count: int = 8,
+               momentum: float | None = None, momentum_masking: bool = True):
     super().__init__(name=name, exclude=exclude)
+    self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
+                                False))
+    self._init_momentum(momentum, momentum_masking)
     self.density = float(_check("density", density, numbers.Real, 0, True, 1))
     self.min_size = int(_check("min_size", min_size, numbers.Integral, 0, False))
     self.warmup_steps = int(_check("warmup_steps", warmup_steps,
@@ -395,7 +420,7 @@ class DEFT(Compressor):
     parts = partition(sizes, n)
     p_sizes = [p.size for p in parts]
     k_total = total_k(n_g, self.density)
-    cap = union_capacity(n_g, k_total, len(parts))
+    cap = union_capacity(n_g, k_total, len(parts), self.min_count, p_sizes)
     residuals = [st["residual"].local() for st in states]
     steps = [self.unpack_scalars(v, value["scalars"])["step"]
              for v, value in zip(variables, values)]
@@ -409,7 +434,7 @@ class DEFT(Compressor):
                       for x in pieces])
     # Beyond the paper: every replica gets the same norms, hence the same plan.
     norms = ctx.all_reduce(tf.distribute.ReduceOp.SUM, norms)
-    k = local_k(norms, p_sizes, k_total)                 # DEFT Algorithm 3
+    k = local_k(norms, p_sizes, k_total, self.min_count)  # DEFT Algorithm 3
     owner = owners(pack(k, p_sizes, n), step, n)         # DEFT Algorithm 4
     owned = tf.equal(owner, tf.cast(ctx.replica_id_in_sync_group, tf.int32))
     warm = None
@@ -423,7 +448,7 @@ class DEFT(Compressor):
     slots, positions = [], []
     # DEFT Algorithm 5 line 3 (loop over the owned partitions; static here).
     for x, (part, piece) in enumerate(zip(parts, pieces)):
-      bound = min(part.size, k_total)
+      bound = min(part.size, max(k_total, self.min_count))
       top = owned_top_k(tf.abs(piece), k[x], bound, owned[x])  # DEFT Alg. 5 line 4
       rank = tf.range(bound)
       keep = tf.logical_and(owned[x], rank < k[x])

@@ -58,9 +58,11 @@ from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
 
 
-def selected_count(n: int, density: float) -> int:
-  """k = n - floor(n * (1 - density)), on the decimal value of `density`."""
-  return n - math.floor((1 - validation.as_decimal(density)) * n)
+def selected_count(n: int, density: float, min_count: int = 0) -> int:
+  """k = n - floor(n * (1 - density)), on the decimal value of `density`,
+  and at least min(n, min_count)."""
+  k = n - math.floor((1 - validation.as_decimal(density)) * n)
+  return max(k, min(n, min_count))
 
 
 def slots(n: int, count: int, factor: float) -> int:
@@ -103,6 +105,9 @@ class ErrorFeedbackCompressor(Compressor):
     exclude: regular expressions searched in variable names; matching
       variables are all-reduced as they are and keep no state (see
       `Compressor.reduce_as_is`).
+    momentum, momentum_masking: momentum correction, as in `DCTDP` (here
+      off by default: the baselines CLTK and HardThreshold keep their
+      published form; TopK defaults to None, as DCTDP).
   """
 
   # Further per-variable scalars of the state, of the variable's dtype;
@@ -110,8 +115,10 @@ class ErrorFeedbackCompressor(Compressor):
   _extra_state_keys: tuple = ()
 
   def __init__(self, min_size: int = 0, warmup_steps: int = 0,
-               name: str | None = None, exclude: Sequence[str] = ()):
+               name: str | None = None, exclude: Sequence[str] = (),
+               momentum: float | None = 0.0, momentum_masking: bool = True):
     super().__init__(name=name, exclude=exclude)
+    self._init_momentum(momentum, momentum_masking)
     self.min_size = int(self._check("min_size", min_size, numbers.Integral, 0,
                                     False))
     self.warmup_steps = int(self._check("warmup_steps", warmup_steps,
@@ -260,6 +267,9 @@ class TopK(ErrorFeedbackCompressor):
     capacity_factor: wire slots per variable as a multiple of k, a number
       >= 1; only threshold ties can use slots beyond k.
     name: module name.
+    min_count: every compressed variable sends at least min(n, min_count)
+      entries per step (beyond DEFT's Top-k; 0: k = ceil(n * density)
+      exactly), as in `DCTDP`.
     exclude: regular expressions searched in variable names; matching
       variables are all-reduced as they are and keep no state (see
       `Compressor.reduce_as_is`).
@@ -271,16 +281,21 @@ class TopK(ErrorFeedbackCompressor):
 
   def __init__(self, density: float = 0.01, min_size: int = 0,
                warmup_steps: int = 0, capacity_factor: float = 1.0,
-               name: str | None = None, exclude: Sequence[str] = ()):
+               name: str | None = None, exclude: Sequence[str] = (),
+               min_count: int = 8, momentum: float | None = None,
+               momentum_masking: bool = True):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
-                     exclude=exclude)
+                     exclude=exclude, momentum=momentum,
+                     momentum_masking=momentum_masking)
     self.density = float(self._check("density", density, numbers.Real, 0, True,
                                      1, False))
+    self.min_count = int(self._check("min_count", min_count, numbers.Integral,
+                                     0, False))
     self.capacity_factor = float(self._check(
         "capacity_factor", capacity_factor, numbers.Real, 1, False))
 
   def _select(self, item):
-    k = selected_count(item.n, self.density)
+    k = selected_count(item.n, self.density, self.min_count)
     cap = slots(item.n, k, self.capacity_factor)
     magnitude = tf.abs(item.acc)
     # The k-th largest magnitude, refreshed every step (DCT Algorithm 1

@@ -6,14 +6,35 @@ backend) aggregates in the private `TFOptimizer._all_reduce_sum_gradients`
 subclass of its own class that overrides that one method, so its state,
 hyper-parameters, serialization and checkpoint layout stay as they were. The
 mixins also add `communication_stats()`, a passthrough to the compressor,
-and extend `build(variables)` to create the compressor's state as well.
+and extend `build(variables)` to create the compressor's state as well (and
+to create the optimizer's slots in the replicator's scope, wherever `build`
+is called). The tf-keras mixin also applies plain SGD to the variables whose
+momentum the compressor keeps itself (`Compressor.corrects_momentum`).
 """
 
 from __future__ import annotations
 
+import contextlib
+
+from absl import logging
+import tensorflow as tf
+
 from tf_dct.compression.base import Compressor
 
 _WRAPPED_CLASSES = {}
+
+
+def in_replicator_scope(replicator):
+  """The replicator's scope when no strategy is active, else nothing.
+
+  An optimizer creates its slots (momentum, Adam's moments) in `build`;
+  built outside the strategy's scope (e.g. `opt.build(model.variables)`
+  after the `with` block) they would be one ordinary variable instead of
+  one per replica, and every replica's update would write it in turn.
+  """
+  if replicator is None or tf.distribute.has_strategy():
+    return contextlib.nullcontext()
+  return replicator.scope()
 
 
 def _swap_class(optimizer, hook_mixin):
@@ -40,6 +61,48 @@ def communication_stats(optimizer) -> dict:
   return optimizer._tf_dct_compressor.communication_stats()  # pylint: disable=protected-access
 
 
+def _sgd_momentum(optimizer):
+  """(momentum, nesterov) of a tf-keras or Keras 3 SGD optimizer, else None."""
+  if type(optimizer).__name__ != "SGD" or not hasattr(optimizer, "momentum"):
+    return None
+  return float(optimizer.momentum), bool(getattr(optimizer, "nesterov", False))
+
+
+def _resolve_momentum(optimizer, compressor: Compressor, tf_keras: bool) -> None:
+  """Settles the compressor's momentum correction for this optimizer.
+
+  `momentum=None` (the default of the sparsifying compressors) takes a
+  tf-keras momentum SGD's momentum, so its corrected variables are applied
+  as plain SGD (`tf_keras_optimizer.AggregateWithCompressor.update_step`);
+  with any other optimizer it becomes 0. An explicit momentum > 0 needs a
+  tf-keras SGD whose own momentum is 0 or the same value.
+  """
+  owner = type(compressor).__name__
+  sgd = _sgd_momentum(optimizer)
+  wanted = compressor.momentum
+  if wanted is None:
+    usable = tf_keras and sgd is not None and sgd[0] > 0 and not sgd[1]
+    if sgd is not None and sgd[0] > 0 and not usable:
+      logging.warning(
+          "%s: momentum correction is off for %s (it needs a tf-keras SGD "
+          "without nesterov); sparsified momentum SGD may train worse than "
+          "dense", owner, type(optimizer).__module__)
+    compressor.set_momentum(sgd[0] if usable else 0.0)
+    return
+  if not wanted:
+    return
+  if not tf_keras or sgd is None:
+    raise ValueError(
+        f"{owner}: momentum={wanted} (momentum correction) needs a tf-keras "
+        f"SGD optimizer, got {type(optimizer).__module__}."
+        f"{type(optimizer).__name__}; pass momentum=0 or None")
+  if sgd[1] or sgd[0] not in (0.0, wanted):
+    raise ValueError(
+        f"{owner}: momentum={wanted} but the SGD optimizer has momentum="
+        f"{sgd[0]}, nesterov={sgd[1]}; use an SGD with momentum 0 or "
+        f"{wanted} and nesterov=False")
+
+
 def wrap_optimizer(optimizer, compressor: Compressor, replicator):
   """Wraps `optimizer` in place so it aggregates through `compressor`."""
   if not isinstance(compressor, Compressor):
@@ -57,6 +120,8 @@ def wrap_optimizer(optimizer, compressor: Compressor, replicator):
         "optimizer must be a tf-keras (tf_keras.optimizers.Optimizer, not the "
         "legacy OptimizerV2) or Keras 3 optimizer, got "
         f"{type(optimizer).__module__}.{type(optimizer).__name__}")
+  _resolve_momentum(optimizer, compressor,
+                    mixin is tf_keras_optimizer.AggregateWithCompressor)
   compressor.bind(replicator)
   _swap_class(optimizer, mixin)
   optimizer._tf_dct_compressor = compressor  # tracked: per-replica state is checkpointed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tf_dct import _private
+from tf_dct import keras as keras_adapters
 
 
 def accepts(optimizer) -> bool:
@@ -17,7 +18,8 @@ class AggregateWithCompressor:
   """Mixin placed before a Keras 3 (TF backend) optimizer class."""
 
   def build(self, variables):
-    super().build(variables)
+    with keras_adapters.in_replicator_scope(self._tf_dct_compressor.replicator):
+      super().build(variables)
     import keras  # pylint: disable=g-import-not-at-top
     # The aggregation sees the backing tf.Variables (`_backend_update_step`).
     self._tf_dct_compressor.create_states(

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import tensorflow as tf
+
+from tf_dct import _private
+from tf_dct import keras as keras_adapters
+
 
 def accepts(optimizer) -> bool:
   try:
@@ -12,11 +17,29 @@ def accepts(optimizer) -> bool:
 
 
 class AggregateWithCompressor:
-  """Mixin placed before a tf-keras optimizer class."""
+  """Mixin placed before a tf-keras optimizer class.
+
+  With momentum correction (`Compressor.corrects_momentum`) the compressor
+  keeps the momentum of a variable's gradients itself, so a momentum SGD
+  optimizer applies that variable's aggregate as plain SGD; every other
+  variable keeps the optimizer's own update.
+  """
 
   def build(self, var_list):
-    super().build(var_list)
-    self._tf_dct_compressor.create_states(var_list)
+    with keras_adapters.in_replicator_scope(self._tf_dct_compressor.replicator):
+      super().build(var_list)
+    compressor = self._tf_dct_compressor
+    compressor.create_states(var_list)
+    self._tf_dct_plain = {_private.tf_keras_var_key(self, v) for v in var_list
+                          if compressor.corrects_momentum(v)}
+
+  def update_step(self, gradient, variable):
+    if _private.tf_keras_var_key(self, variable) in getattr(
+        self, "_tf_dct_plain", ()):
+      lr = tf.cast(self.learning_rate, variable.dtype)
+      variable.assign_add(-lr * tf.convert_to_tensor(gradient))
+      return
+    super().update_step(gradient, variable)
 
   def aggregate_gradients(self, grads_and_vars):
     return self._tf_dct_compressor.aggregate(grads_and_vars)
