@@ -236,7 +236,8 @@ def main() -> None:
     @section("dctdp_async")
     def _():
       w, b = make_model()
-      push = AsyncPush(repl, DCTDP(SPARSITY, threshold_life=1000, density_band=BAND),
+      push = AsyncPush(repl, DCTDP(SPARSITY, threshold_life=1000, density_band=BAND,
+                                     min_count=0),
                        learning_rate=LR, variables=[w, b])
       t = time.monotonic()
       results = train(push, w, b, ASYNC_STEPS)
@@ -324,7 +325,8 @@ def main() -> None:
     @section("worker_restart")
     def _():
       w, b = make_model()
-      push = AsyncPush(repl, DCTDP(SPARSITY, threshold_life=1000, density_band=BAND),
+      push = AsyncPush(repl, DCTDP(SPARSITY, threshold_life=1000, density_band=BAND,
+                                     min_count=0),
                        learning_rate=LR, variables=[w, b])
       ckpt = tf.train.Checkpoint(w=w, b=b)
       # Phase 1: healthy; drain + save.

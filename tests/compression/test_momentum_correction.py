@@ -106,11 +106,16 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("dct_dp", lambda: compression.DCTDP(0.9, threshold_life=3,
-                                           momentum=MOMENTUM)),
-      ("topk", lambda: compression.TopK(0.1, momentum=MOMENTUM)),
-      ("deft", lambda: compression.DEFT(0.1, momentum=MOMENTUM)),
+                                           momentum=MOMENTUM,
+                                           momentum_masking=True)),
+      ("topk", lambda: compression.TopK(0.1, momentum=MOMENTUM,
+                                        momentum_masking=True)),
+      ("deft", lambda: compression.DEFT(0.1, momentum=MOMENTUM,
+                                        momentum_masking=True)),
+      ("dct_dp_no_masking", lambda: compression.DCTDP(
+          0.9, threshold_life=3, momentum=MOMENTUM), False),
   )
-  def test_conserves_the_velocities_fed_in(self, make):
+  def test_conserves_the_velocities_fed_in(self, make, masking=True):
     # Error feedback now conserves u: sum of updates + sum_r E == sum of
     # the velocities fed in, u_t = m * (u_{t-1} masked) + g_t.
     replicas, steps = 2, 7
@@ -124,17 +129,22 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
         for r in range(replicas):
           u = MOMENTUM * kept[r] + grads[t][r][v]
           fed += u
-          # The velocity kept is u with the entries this replica sent zeroed.
+          # The velocity kept is u with the entries this replica sent
+          # zeroed (masking), or u itself.
           kept[r] = history[t][1][v]["velocity"][r]
-          self.assertTrue(np.all((kept[r] == 0) | np.isclose(kept[r], u,
-                                                             rtol=1e-5)))
+          if masking:
+            self.assertTrue(np.all((kept[r] == 0) | np.isclose(kept[r], u,
+                                                               rtol=1e-5)))
+          else:
+            self.assertAllClose(kept[r], u, rtol=1e-5, atol=1e-6)
       applied = sum(out[0][v] for out, _ in history)
       residual = sum(history[-1][1][v]["residual"])
       self.assertAllClose(applied + residual, fed,
                           atol=1e-4 * np.abs(fed).max(), rtol=0)
-      # Masking really dropped momentum somewhere.
-      self.assertTrue(any((history[-1][1][v]["velocity"][r] == 0).any()
-                          for r in range(replicas)))
+      # Masking really dropped momentum somewhere (and only with masking).
+      self.assertEqual(masking, any(
+          (history[-1][1][v]["velocity"][r] == 0).any()
+          for r in range(replicas)))
 
 
 class KerasTest(tf.test.TestCase, parameterized.TestCase):
@@ -173,7 +183,7 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
     # density 1 sends everything: momentum correction without masking is
     # then exactly momentum SGD. The bias is excluded: it keeps the
     # optimizer's own momentum.
-    comp = compression.TopK(1.0, momentum_masking=False, exclude=("bias",))
+    comp = compression.TopK(1.0, exclude=("bias",))
     _, model, opt, ours = self._train(
         comp, tf_keras.optimizers.SGD(0.1, momentum=MOMENTUM))
     self.assertEqual(comp.momentum, MOMENTUM)

@@ -76,7 +76,7 @@ class Compressor(tf.Module):
     # Keras adapter takes it from a momentum SGD optimizer. Only compressors
     # with an error-feedback residual offer it (`_init_momentum`).
     self.momentum = 0.0
-    self.momentum_masking = True
+    self.momentum_masking = False
 
   def _init_momentum(self, momentum, momentum_masking) -> None:
     """Validates and sets the momentum-correction options (see `corrects_momentum`)."""

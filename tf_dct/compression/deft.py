@@ -326,7 +326,7 @@ class DEFT(Compressor):
   def __init__(self, density: float = 0.01, min_size: int = 0,
                warmup_steps: int = 0, name: str | None = None,
                exclude: Sequence[str] = (), min_count: int = 8,
-               momentum: float | None = None, momentum_masking: bool = True):
+               momentum: float | None = None, momentum_masking: bool = False):
     super().__init__(name=name, exclude=exclude)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))

@@ -10,15 +10,17 @@ momentum in front of the sparsification, on each replica:
     u <- m * u + g               velocity of this replica's own gradients
     acc = u + E                  error feedback adds the held-back part
     select, send; E <- acc - sent  (the compressor's own rule)
-    u <- 0 where acc was sent    factor masking (optional, on by default)
+    u <- 0 where acc was sent    factor masking (optional, off by default)
 
 and the optimizer applies the aggregate without momentum of its own (plain
 SGD). Error feedback then conserves the velocity instead of the gradient:
 sum over steps of what was sent plus E equals the sum of the velocities fed
 in (tests/compression/test_momentum_correction.py checks it numerically).
 Without masking and with nothing held back this is exactly momentum SGD;
-masking drops the momentum of an entry once it was sent, which keeps a
-stale velocity from pushing an entry that was just updated in a burst.
+masking drops the momentum of an entry once it was sent, which DGC uses to
+keep a stale velocity from pushing an entry that was just updated in a
+burst. In our DLRM runs masking made the first steps lag several percent
+behind dense (docs/quality.md), so it is off by default.
 
 Variables a compressor does not sparsify (excluded, below `min_size`) keep
 the optimizer's own momentum: the Keras adapters apply plain SGD only to the

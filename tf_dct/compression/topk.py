@@ -116,7 +116,7 @@ class ErrorFeedbackCompressor(Compressor):
 
   def __init__(self, min_size: int = 0, warmup_steps: int = 0,
                name: str | None = None, exclude: Sequence[str] = (),
-               momentum: float | None = 0.0, momentum_masking: bool = True):
+               momentum: float | None = 0.0, momentum_masking: bool = False):
     super().__init__(name=name, exclude=exclude)
     self._init_momentum(momentum, momentum_masking)
     self.min_size = int(self._check("min_size", min_size, numbers.Integral, 0,
@@ -283,7 +283,7 @@ class TopK(ErrorFeedbackCompressor):
                warmup_steps: int = 0, capacity_factor: float = 1.0,
                name: str | None = None, exclude: Sequence[str] = (),
                min_count: int = 8, momentum: float | None = None,
-               momentum_masking: bool = True):
+               momentum_masking: bool = False):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
                      exclude=exclude, momentum=momentum,
                      momentum_masking=momentum_masking)
