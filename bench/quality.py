@@ -1,0 +1,697 @@
+r"""Quality of compressed training against dense training, with curves.
+
+Every run is one `launch.train.Job` in this process (4 logical CPUs, 4
+data-parallel replicas), configured by the launcher exactly as
+`python -m launch.train --model=M --optimizer=O --seed=S ...` would be: the
+launcher's per-model and per-optimizer defaults (learning rate included)
+apply. Only the gradient compressor is built here, from a spec string
+(`COMPRESSORS` below: a launcher compressor class plus constructor keyword
+arguments; "dense" is the launcher's `--compression=none`), and given to the
+job with `Job(cfg, compressor=...)`. Every (model, optimizer, compressor)
+runs once per seed; each run evaluates the model's headline metric
+`--evals` times at equal step intervals (the launcher's `eval_every`).
+
+Reported per (model, optimizer, compressor), means over the seeds:
+
+  final     the metric after the last step.
+  vs dense  (final - dense final) / dense final; the sign is the metric's
+            (for perplexity and loss, + is worse).
+  dense spread  (max - min) / mean of dense's finals over the seeds.
+  verdict   "within" when the compressed mean lies inside dense's seed range
+            [min, max]; otherwise "better" or "worse" (the metric's
+            direction).
+  worst point   the most adverse relative gap to dense at any evaluation
+            point: lag in the curve shows here even when the end point
+            catches up.
+  payload   dense bytes / sent bytes of what a replica contributes per step
+            (`Job.communication()["payload_ratio"]`: values, indices and
+            padding counted), whole model; and the same over the dense
+            (non-embedding) layers only: the variables whose name does not
+            contain "embedding", from `communication_stats()["variables"]`.
+
+and a table of the metric at every evaluation point (the curves), plus a PNG
+of them with `--png` (dense's seed range shaded).
+
+Models (`MODELS`): dlrm (DCT section 3.1 dimensions, embedded synthetic
+Criteo-shaped data, 4 replicas, no model-parallel splits), ncf (trains on a
+MovieLens-format ratings file: a synthetic one this script writes with
+`models.data.movielens`, fixed across seeds, or a real one with
+`--data_dir`), lstm_lm and transformer (the launcher's local sizes). The
+transformer's headline is the evaluation loss: its BLEU stays 0 at these
+sizes.
+
+Compressors are built with their library defaults ("dct", "topk", "deft")
+and with the papers' settings ("*_paper": no per-variable floor on the
+entries sent, min_count=0, and no momentum correction, momentum=0.0). A
+keyword the installed constructor does not accept is dropped and the run is
+marked with a note. A spec may add keywords: "dct+sparsity=0.9+min_count=0".
+
+Usage:
+  python bench/quality.py                 # full run (see docs/quality.md for its time)
+  python bench/quality.py --quick         # smoke run: ncf, local sizes, 2 seeds, ~1.5 min
+  python bench/quality.py --models=ncf --optimizers=adam,momentum \
+      --compressors=dense,dct,dct_paper --seeds=0,1 --png=/tmp/q.png
+  python bench/quality.py ... --write_docs    # rewrite docs/quality.md's results
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+  sys.path.insert(0, REPO_ROOT)
+
+import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
+import ast  # pylint: disable=g-import-not-at-top,wrong-import-position
+import contextlib  # pylint: disable=g-import-not-at-top,wrong-import-position
+import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
+import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
+import inspect  # pylint: disable=g-import-not-at-top,wrong-import-position
+import io  # pylint: disable=g-import-not-at-top,wrong-import-position
+import math  # pylint: disable=g-import-not-at-top,wrong-import-position
+import shlex  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tempfile  # pylint: disable=g-import-not-at-top,wrong-import-position
+import time  # pylint: disable=g-import-not-at-top,wrong-import-position
+from typing import Callable, Sequence  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+NUM_CPUS = 4
+DOC_PATH = os.path.join(REPO_ROOT, "docs", "quality.md")
+DOC_BEGIN = "<!-- results: written by bench/quality.py --write_docs -->"
+DOC_END = "<!-- end of results -->"
+
+# Compressor specs: name -> (launcher --compression value, constructor kwargs).
+# "paper": the published algorithms (no per-variable floor on the entries
+# sent, no momentum correction). A new option is one more line here.
+PAPER = {"min_count": 0, "momentum": 0.0}
+COMPRESSORS: dict[str, tuple[str, dict]] = {
+    "dense": ("none", {}),
+    "dct": ("dct", {}),
+    "dct_paper": ("dct", PAPER),
+    "topk": ("topk", {}),
+    "topk_paper": ("topk", PAPER),
+    "deft": ("deft", {}),
+    "deft_paper": ("deft", PAPER),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+  """How one model runs here: a launcher preset and the settings changed on it.
+
+  Attributes:
+    config: the launcher's --config ("default" or "local").
+    steps: training steps of a full run.
+    quick_steps: steps of a --quick run (always on the local preset).
+    settings: launcher settings set for every run of the model.
+    metric: the headline evaluation key; None: the launcher's `spec.metric`.
+    ratings: (users, items, ratings per user) of the synthetic MovieLens
+      file (ncf only), full and quick.
+  """
+  config: str
+  steps: int
+  quick_steps: int
+  settings: dict = dataclasses.field(default_factory=dict)
+  metric: str | None = None
+  ratings: tuple | None = None
+  quick_ratings: tuple | None = None
+
+
+# 4 data-parallel replicas of one device each for every model (DLRM's launcher
+# default is 2 x 2 with model-parallel splits; here only DP compression is
+# measured).
+DP_ONLY = {"num_replicas": NUM_CPUS, "num_devices_per_replica": 1, "mp_splits": "none"}
+MODELS: dict[str, ModelPlan] = {
+    "dlrm": ModelPlan("default", steps=240, quick_steps=40, settings=DP_ONLY),
+    # The launcher's local NCF (MF 8, MLP 16-8, batch 256): the default size
+    # needs ~4x the time per step. 943 users and 1682 items as MovieLens-100K,
+    # 20 ratings each: ~350 steps per epoch; a model ranking by popularity alone
+    # scores HR@10 0.32 here, the hidden teacher itself 0.72.
+    "ncf": ModelPlan("local", steps=1000, quick_steps=40, ratings=(943, 1682, 20),
+                     quick_ratings=(400, 300, 20)),
+    "lstm_lm": ModelPlan("local", steps=400, quick_steps=40),
+    "transformer": ModelPlan("local", steps=200, quick_steps=40, metric="loss"),
+}
+DEFAULT_MODELS = ("dlrm", "ncf", "lstm_lm", "transformer")
+DEFAULT_OPTIMIZERS = ("momentum", "adam", "adagrad")
+DEFAULT_COMPRESSORS = ("dense", "dct", "dct_paper")
+QUICK = {"models": ("ncf",), "optimizers": ("adam",),
+         "compressors": ("dense", "dct", "dct_paper")}
+LOWER_IS_BETTER = ("loss", "perplexity", "mse")
+DATA_SEED = 0  # the synthetic ratings file: the same data for every seed
+
+
+class FlagError(ValueError):
+  """A bad flag value, reported before any training starts."""
+
+
+# --- compressors -----------------------------------------------------------------
+
+
+def parse_compressor(spec: str) -> tuple[str, dict]:
+  """'dct_paper+sparsity=0.9' -> ('dct', {min_count: 0, momentum: 0.0, sparsity: 0.9})."""
+  name, *extras = spec.split("+")
+  if name not in COMPRESSORS:
+    raise FlagError(f"--compressors: unknown {name!r}; allowed: {','.join(COMPRESSORS)} "
+                    "(optionally followed by +keyword=value)")
+  compression, kwargs = COMPRESSORS[name]
+  kwargs = dict(kwargs)
+  for extra in extras:
+    key, eq, text = extra.partition("=")
+    if not eq or not key.isidentifier():
+      raise FlagError(f"--compressors: {spec!r}: expected +keyword=value, got {extra!r}")
+    try:
+      kwargs[key] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      raise FlagError(f"--compressors: {spec!r}: {text!r} is not a Python literal") from None
+  if compression == "none" and kwargs:
+    raise FlagError(f"--compressors: {spec!r}: dense takes no options")
+  return compression, kwargs
+
+
+def build_compressor(spec: str):
+  """(compressor or None for dense, launcher --compression value, notes).
+
+  Keywords the installed constructor does not take are dropped; each one
+  dropped is named in the notes.
+  """
+  from launch import train  # pylint: disable=g-import-not-at-top
+  import tf_dct  # pylint: disable=g-import-not-at-top
+  compression, kwargs = parse_compressor(spec)
+  if compression == "none":
+    return None, compression, []
+  cls = getattr(tf_dct.compression, train.COMPRESSOR_CLASSES[compression])
+  accepted = inspect.signature(cls).parameters
+  notes = [f"{cls.__name__} takes no {key}= here: {spec} runs without it"
+           for key in kwargs if key not in accepted]
+  return (cls(**{k: v for k, v in kwargs.items() if k in accepted}), compression, notes)
+
+
+# --- one run ---------------------------------------------------------------------
+
+
+def write_ratings(directory: str, users: int, items: int, per_user: int) -> str:
+  """A synthetic MovieLens `ratings.csv` in `directory`; returns the directory."""
+  from models.data import movielens  # pylint: disable=g-import-not-at-top
+  ratings = movielens.synthetic_ratings(DATA_SEED, num_users=users, num_items=items,
+                                        per_user=per_user)
+  movielens.write_ratings_csv(os.path.join(directory, "ratings.csv"), ratings)
+  return directory
+
+
+def launcher_config(model: str, optimizer: str, seed: int, compression: str, *,
+                    config: str, steps: int, evals: int, data_dir: str = "",
+                    settings: dict | None = None) -> dict:
+  """The launcher's cfg of one run, resolved and validated by `launch.train`."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from launch import train  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  every = max(1, steps // evals)
+  overrides = dict(model=model, config=config, optimizer=optimizer, seed=seed,
+                   compression=compression, steps=steps, eval_every=every,
+                   log_every=steps, data_dir=data_dir, model_dir="", loop="custom",
+                   **(settings or {}))
+  with flagsaver.flagsaver(**overrides):
+    return train.resolved_config()
+
+
+def layer_payload_ratio(variables: dict, exclude: str = "embedding") -> float | None:
+  """Dense payload / sent payload over the variables whose name lacks `exclude`.
+
+  `variables`: `communication_stats()["variables"]`, whose `total` holds
+  per-replica lists of `payload_bytes` and `dense_payload_bytes`. The ratio
+  of the sums (replicas and variables), None without such variables, inf
+  when nothing was sent.
+  """
+  dense = sent = 0.0
+  found = False
+  for name, var in variables.items():
+    if exclude in name:
+      continue
+    found = True
+    dense += sum(var["total"]["dense_payload_bytes"])
+    sent += sum(var["total"]["payload_bytes"])
+  if not found:
+    return None
+  return dense / sent if sent else math.inf
+
+
+def run_one(model: str, optimizer: str, compressor: str, seed: int, *, config: str,
+            steps: int, evals: int, data_dir: str = "", settings: dict | None = None,
+            metric: str | None = None, verbose: bool = False) -> dict:
+  """Trains one (model, optimizer, compressor, seed); returns its record."""
+  import tf_keras  # pylint: disable=g-import-not-at-top
+  from launch import registry  # pylint: disable=g-import-not-at-top
+  from launch import train  # pylint: disable=g-import-not-at-top
+  comp, compression, notes = build_compressor(compressor)
+  cfg = launcher_config(model, optimizer, seed, compression, config=config, steps=steps,
+                        evals=evals, data_dir=data_dir, settings=settings)
+  metric = metric or registry.get(model).metric
+  record = {"model": model, "optimizer": optimizer, "compressor": compressor, "seed": seed,
+            "metric": metric, "learning_rate": cfg["learning_rate"], "steps": steps,
+            "config": config, "notes": notes, "diverged": None}
+  job = train.Job(cfg, compressor=comp)
+  out = sys.stdout if verbose else io.StringIO()
+  start = time.perf_counter()
+  try:
+    with contextlib.redirect_stdout(out):
+      job.setup()
+      job.run()
+  except FloatingPointError as e:  # the launcher's TrainingDiverged
+    record["diverged"] = str(e)
+  record["wall_seconds"] = time.perf_counter() - start
+  record["curve"] = {step: float(result[metric]) for step, result in sorted(job.evals.items())
+                     if metric in result}
+  record["final"] = (record["curve"][max(record["curve"])]
+                     if record["curve"] and not record["diverged"] else math.nan)
+  comm = job.communication()
+  record["payload_ratio"] = comm["payload_ratio"] if comm else None
+  stats_fn = getattr(job.optimizer, "communication_stats", None)
+  record["layer_payload_ratio"] = (layer_payload_ratio(stats_fn()["variables"])
+                                   if stats_fn is not None and comm else None)
+  del job
+  tf_keras.backend.clear_session()
+  gc.collect()
+  return record
+
+
+# --- summary ---------------------------------------------------------------------
+
+
+def _mean(xs):
+  return sum(xs) / len(xs) if xs else math.nan
+
+
+def relative(value: float, reference: float) -> float:
+  """(value - reference) / |reference| (nan when either is nan or reference is 0)."""
+  if math.isnan(value) or math.isnan(reference) or reference == 0:
+    return math.nan
+  return (value - reference) / abs(reference)
+
+
+def summarize(records: Sequence[dict]) -> list[dict]:
+  """One row per (model, optimizer, compressor), in the order first seen.
+
+  Each row: model, optimizer, compressor, metric, lower_is_better, seeds,
+  finals (per seed), final (mean), rel (vs dense's mean), dense_spread
+  ((max - min) / mean of dense's finals), within (inside dense's [min, max]),
+  verdict, curve {step: mean}, curve_rel {step: rel vs dense at that step},
+  worst_rel (the most adverse of curve_rel), payload_ratio and
+  layer_payload_ratio (means), learning_rate, diverged (count), notes.
+  A group without a dense run gets nan relative figures.
+  """
+  groups: dict[tuple, list[dict]] = {}
+  for r in records:
+    groups.setdefault((r["model"], r["optimizer"], r["compressor"]), []).append(r)
+  rows = []
+  for (model, optimizer, compressor), runs in groups.items():
+    metric = runs[0]["metric"]
+    lower = metric in LOWER_IS_BETTER
+    finals = [r["final"] for r in runs]
+    ok = [f for f in finals if not math.isnan(f)]
+    final = _mean(ok) if len(ok) == len(finals) else math.nan
+    steps = sorted({s for r in runs for s in r["curve"]})
+    curve = {s: _mean([r["curve"][s] for r in runs if s in r["curve"]]) for s in steps}
+    dense = groups.get((model, optimizer, "dense"))
+    dense_finals = [r["final"] for r in dense] if dense else []
+    if dense_finals and not any(math.isnan(f) for f in dense_finals):
+      dense_mean = _mean(dense_finals)
+      lo, hi = min(dense_finals), max(dense_finals)
+      spread = (hi - lo) / abs(dense_mean) if dense_mean else math.nan
+    else:
+      dense_mean = lo = hi = spread = math.nan
+    rel = relative(final, dense_mean)
+    if math.isnan(final) or math.isnan(dense_mean):
+      within, verdict = None, "diverged" if math.isnan(final) else "-"
+    else:
+      tol = 1e-12 * max(1.0, abs(dense_mean))
+      within = lo - tol <= final <= hi + tol
+      if within:
+        verdict = "within"
+      else:
+        verdict = "worse" if (final > hi) == lower else "better"
+    dense_curve = ({s: _mean([r["curve"][s] for r in dense if s in r["curve"]])
+                    for s in steps} if dense else {})
+    curve_rel = {s: relative(curve[s], dense_curve.get(s, math.nan)) for s in steps}
+    rels = [v for v in curve_rel.values() if not math.isnan(v)]
+    worst = (max(rels) if lower else min(rels)) if rels else math.nan
+    ratios = [r["payload_ratio"] for r in runs if r.get("payload_ratio") is not None]
+    layer = [r["layer_payload_ratio"] for r in runs
+             if r.get("layer_payload_ratio") is not None]
+    rows.append({
+        "model": model, "optimizer": optimizer, "compressor": compressor,
+        "metric": metric, "lower_is_better": lower, "seeds": [r["seed"] for r in runs],
+        "finals": finals, "final": final, "rel": rel, "dense_spread": spread,
+        "within": within, "verdict": verdict, "curve": curve, "curve_rel": curve_rel,
+        "worst_rel": worst, "payload_ratio": _mean(ratios) if ratios else None,
+        "layer_payload_ratio": _mean(layer) if layer else None,
+        "learning_rate": runs[0]["learning_rate"],
+        "diverged": sum(1 for r in runs if r.get("diverged")),
+        "notes": sorted({n for r in runs for n in r.get("notes", ())}),
+    })
+  return rows
+
+
+# --- tables ----------------------------------------------------------------------
+
+
+def _num(x: float | None, digits: int = 4) -> str:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
+    return "-"
+  return f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+  if x is None or math.isnan(x):
+    return "-"
+  digits = 1 if abs(x) >= 0.01 or x == 0 else 2
+  return f"{100 * x:+.{digits}f}%"
+
+
+def _ratio(x: float | None) -> str:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
+    return "-"
+  return "inf" if math.isinf(x) else f"{x:.1f}x"
+
+
+def results_table(rows: Sequence[dict]) -> str:
+  """The main markdown table (one line per row of `summarize`)."""
+  lines = ["| model | metric | optimizer (lr) | compressor | final (mean) | vs dense | "
+           "dense spread | verdict | worst point | payload | dense layers |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    dense = r["compressor"] == "dense"
+    direction = "lower better" if r["lower_is_better"] else "higher better"
+    lines.append(
+        f"| {r['model']} | {r['metric']} ({direction}) | {r['optimizer']} "
+        f"({r['learning_rate']:g}) | {r['compressor']} | {_num(r['final'])} | "
+        f"{'-' if dense else _pct(r['rel'])} | {_pct(r['dense_spread'])[1:]} | "
+        f"{'-' if dense else r['verdict']} | {'-' if dense else _pct(r['worst_rel'])} | "
+        f"{_ratio(r['payload_ratio'])} | {_ratio(r['layer_payload_ratio'])} |")
+  return "\n".join(lines)
+
+
+def curves_table(rows: Sequence[dict]) -> str:
+  """The metric at each evaluation point; compressed runs with their gap to dense."""
+  out = []
+  by_group: dict[tuple, list[dict]] = {}
+  for r in rows:
+    by_group.setdefault((r["model"], r["optimizer"]), []).append(r)
+  for (model, optimizer), group in by_group.items():
+    steps = sorted({s for r in group for s in r["curve"]})
+    out.append(f"{model}, {optimizer}: {group[0]['metric']} at step")
+    out.append("")
+    out.append("| compressor | " + " | ".join(str(s) for s in steps) + " |")
+    out.append("|---|" + "---|" * len(steps))
+    for r in group:
+      cells = []
+      for s in steps:
+        value = r["curve"].get(s, math.nan)
+        cell = _num(value)
+        if r["compressor"] != "dense" and not math.isnan(r["curve_rel"].get(s, math.nan)):
+          cell += f" ({_pct(r['curve_rel'][s])})"
+        cells.append(cell)
+      out.append(f"| {r['compressor']} | " + " | ".join(cells) + " |")
+    out.append("")
+  return "\n".join(out).rstrip() + "\n"
+
+
+def notes_lines(rows: Sequence[dict]) -> list[str]:
+  lines = []
+  for r in rows:
+    if r["diverged"]:
+      lines.append(f"- {r['model']} / {r['optimizer']} / {r['compressor']}: "
+                   f"{r['diverged']} of {len(r['seeds'])} seeds diverged (no final value)")
+  for note in sorted({n for r in rows for n in r["notes"]}):
+    lines.append(f"- {note}")
+  return lines
+
+
+def report(rows: Sequence[dict], command: str, wall: float) -> str:
+  """The whole markdown report: command, main table, curves, notes."""
+  parts = [f"Produced by `{command}` ({wall / 60:.1f} min on the machine that ran it, "
+           f"its CPU split into {NUM_CPUS} logical devices).", "",
+           "Finals are means over the seeds; \"vs dense\" and \"worst point\" are relative "
+           "to dense's mean at the same step (the metric's sign); \"payload\" is dense "
+           "bytes / sent bytes per replica, whole model and dense (non-embedding) layers.",
+           "", results_table(rows), "", "Curves (mean over seeds; gap to dense in "
+           "parentheses):", "", curves_table(rows)]
+  notes = notes_lines(rows)
+  if notes:
+    parts += ["Notes:", "", *notes, ""]
+  return "\n".join(parts)
+
+
+def plot(rows: Sequence[dict], records: Sequence[dict], path: str) -> None:
+  """One panel per (model, optimizer): mean curve per compressor, dense's seed range."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  groups = list(dict.fromkeys((r["model"], r["optimizer"]) for r in rows))
+  cols = min(3, len(groups))
+  nrows = -(-len(groups) // cols)
+  fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+  for ax, (model, optimizer) in zip(axes.flat, groups):
+    group = [r for r in rows if (r["model"], r["optimizer"]) == (model, optimizer)]
+    dense_runs = [r for r in records if (r["model"], r["optimizer"], r["compressor"])
+                  == (model, optimizer, "dense")]
+    if dense_runs:
+      steps = sorted({s for r in dense_runs for s in r["curve"]})
+      lo = [min(r["curve"].get(s, math.nan) for r in dense_runs) for s in steps]
+      hi = [max(r["curve"].get(s, math.nan) for r in dense_runs) for s in steps]
+      ax.fill_between(steps, lo, hi, color="0.85", label="dense seed range")
+    for r in group:
+      steps = sorted(r["curve"])
+      ax.plot(steps, [r["curve"][s] for s in steps], marker="o", markersize=3,
+              label=r["compressor"], color="black" if r["compressor"] == "dense" else None)
+    ax.set_title(f"{model}, {optimizer}", fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel(group[0]["metric"])
+    ax.legend(fontsize=7)
+  for ax in list(axes.flat)[len(groups):]:
+    ax.axis("off")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_docs(markdown: str, png: str | None, path: str = DOC_PATH) -> None:
+  """Replaces the results section of docs/quality.md (between its markers)."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  if DOC_BEGIN not in text or DOC_END not in text:
+    raise FlagError(f"--write_docs: {path} lacks the markers {DOC_BEGIN!r} ... {DOC_END!r}")
+  body = markdown
+  if png:
+    rel = os.path.relpath(os.path.abspath(png), os.path.dirname(os.path.abspath(path)))
+    body += f"\n![metric curves]({rel})\n"
+  head, rest = text.split(DOC_BEGIN, 1)
+  _, tail = rest.split(DOC_END, 1)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(f"{head}{DOC_BEGIN}\n\n{body.strip()}\n\n{DOC_END}{tail}")
+
+
+# --- the benchmark ---------------------------------------------------------------
+
+
+def run(models: Sequence[str], optimizers: Sequence[str], compressors: Sequence[str],
+        seeds: Sequence[int], *, quick: bool = False, steps: int | None = None,
+        evals: int = 4, data_dir: str = "", settings: dict | None = None,
+        verbose: bool = False, log: Callable[[str], None] = print) -> list[dict]:
+  """Trains every combination; returns the per-run records (see `run_one`).
+
+  `settings` are launcher settings applied to every run on top of each
+  model's (e.g. {"num_replicas": 2, "num_devices_per_replica": 2}).
+  """
+  import tf_dct  # pylint: disable=g-import-not-at-top
+  tf_dct.split_cpu(NUM_CPUS)
+  records = []
+  with tempfile.TemporaryDirectory(prefix="quality_") as tmp:
+    for model in models:
+      plan = MODELS[model]
+      config = "local" if quick else plan.config
+      model_steps = steps or (plan.quick_steps if quick else plan.steps)
+      model_data = ""
+      if model == "ncf":
+        if data_dir:
+          model_data = data_dir
+        else:
+          model_data = os.path.join(tmp, "ncf")
+          os.makedirs(model_data, exist_ok=True)
+          write_ratings(model_data, *(plan.quick_ratings if quick else plan.ratings))
+      for optimizer in optimizers:
+        for compressor in compressors:
+          for seed in seeds:
+            r = run_one(model, optimizer, compressor, seed, config=config,
+                        steps=model_steps, evals=evals, data_dir=model_data,
+                        settings={**plan.settings, **(settings or {})},
+                        metric=plan.metric, verbose=verbose)
+            records.append(r)
+            status = f"diverged: {r['diverged']}" if r["diverged"] else (
+                f"{r['metric']} {r['final']:.4f}")
+            payload = _ratio(r["payload_ratio"])
+            log(f"quality: {model} {optimizer} {compressor} seed {seed}: {status}, payload "
+                f"{payload} ({r['wall_seconds']:.0f} s)")
+  return records
+
+
+def _split(text: str) -> list[str]:
+  return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="bench/quality.py", description=__doc__.split("\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--quick", action="store_true",
+                 help=f"smoke run: --config=local, {MODELS['ncf'].quick_steps} steps, "
+                 f"models {','.join(QUICK['models'])}, optimizer "
+                 f"{','.join(QUICK['optimizers'])}, compressors "
+                 f"{','.join(QUICK['compressors'])} (unless given)")
+  p.add_argument("--models", default=None,
+                 help=f"comma list of {','.join(MODELS)}; default {','.join(DEFAULT_MODELS)}")
+  p.add_argument("--optimizers", default=None,
+                 help="comma list of the launcher's --optimizer values; default "
+                 f"{','.join(DEFAULT_OPTIMIZERS)} (those the launcher offers)")
+  p.add_argument("--compressors", default=None,
+                 help=f"comma list of {','.join(COMPRESSORS)} or 'all', each optionally "
+                 "with +keyword=value; dense is always run (the reference); default "
+                 f"{','.join(DEFAULT_COMPRESSORS)}")
+  p.add_argument("--seeds", default="0,1", help="comma list of >= 2 seeds; default 0,1")
+  p.add_argument("--steps", type=int, default=None,
+                 help="training steps of every run; default per model (MODELS)")
+  p.add_argument("--evals", type=int, default=4,
+                 help="evaluation points per run (every steps/evals steps); default 4")
+  p.add_argument("--data_dir", default="",
+                 help="a MovieLens directory (ratings.csv or u.data) for ncf; default: a "
+                 "synthetic ratings file written to a temporary directory")
+  p.add_argument("--out", default="", help="also write the markdown report to this file")
+  p.add_argument("--png", default="", help="write the curves to this PNG")
+  p.add_argument("--write_docs", action="store_true",
+                 help=f"rewrite the results section of {os.path.relpath(DOC_PATH, REPO_ROOT)}")
+  p.add_argument("--verbose", action="store_true",
+                 help="show the launcher's progress lines and summary tables")
+  return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """Parses and validates; fills --quick / full defaults. Raises FlagError."""
+  args = build_parser().parse_args(argv)
+  from launch import registry  # pylint: disable=g-import-not-at-top
+  from launch import train  # pylint: disable=g-import-not-at-top
+  preset = QUICK if args.quick else {"models": DEFAULT_MODELS, "optimizers": None,
+                                     "compressors": DEFAULT_COMPRESSORS}
+  models = _split(args.models) if args.models is not None else list(preset["models"])
+  unknown = [m for m in models if m not in MODELS or m not in registry.SPECS]
+  if not models or unknown:
+    raise FlagError(f"--models: unknown {','.join(unknown) or '(none given)'}; allowed: "
+                    f"{','.join(MODELS)}")
+  if args.optimizers is not None:
+    optimizers = _split(args.optimizers)
+    unknown = [o for o in optimizers if o not in train.OPTIMIZERS]
+    if not optimizers or unknown:
+      raise FlagError(f"--optimizers: unknown {','.join(unknown) or '(none given)'}; the "
+                      f"launcher offers {','.join(train.OPTIMIZERS)}")
+  elif preset["optimizers"]:
+    optimizers = list(preset["optimizers"])
+  else:
+    optimizers = [o for o in DEFAULT_OPTIMIZERS if o in train.OPTIMIZERS]
+  if args.compressors is not None:
+    text = args.compressors.strip()
+    compressors = list(COMPRESSORS) if text == "all" else _split(text)
+  else:
+    compressors = list(preset["compressors"])
+  for spec in compressors:
+    try:
+      build_compressor(spec)  # a bad keyword value fails here, before any training
+    except (TypeError, ValueError) as e:
+      if isinstance(e, FlagError):
+        raise
+      raise FlagError(f"--compressors: {spec}: {e}") from None
+  if "dense" not in compressors:
+    compressors.insert(0, "dense")
+  for name, values in (("models", models), ("optimizers", optimizers),
+                       ("compressors", compressors)):
+    if len(set(values)) != len(values):
+      raise FlagError(f"--{name} lists a value twice: {','.join(values)}")
+  try:
+    seeds = [int(s) for s in _split(args.seeds)]
+  except ValueError:
+    raise FlagError(f"--seeds: expected a comma list of integers, got {args.seeds!r}") from None
+  if len(set(seeds)) < 2 or len(set(seeds)) != len(seeds):
+    raise FlagError(f"--seeds: give at least 2 distinct seeds (the dense spread needs "
+                    f"them), got {args.seeds!r}")
+  if args.steps is not None and args.steps < 1:
+    raise FlagError(f"--steps must be >= 1, got {args.steps}")
+  if args.evals < 1:
+    raise FlagError(f"--evals must be >= 1, got {args.evals}")
+  if args.steps is not None and args.steps < args.evals:
+    raise FlagError(f"--steps ({args.steps}) must be >= --evals ({args.evals})")
+  if args.data_dir and not os.path.isdir(args.data_dir):
+    raise FlagError(f"--data_dir {args.data_dir!r} does not exist or is not a directory")
+  if args.data_dir and "ncf" not in models:
+    raise FlagError("--data_dir is the ncf ratings directory, but --models has no ncf")
+  if args.write_docs and not os.path.isfile(DOC_PATH):
+    raise FlagError(f"--write_docs: {DOC_PATH} not found")
+  args.model_list, args.optimizer_list = models, optimizers
+  args.compressor_list, args.seed_list = compressors, seeds
+  return args
+
+
+OUTPUT_FLAGS = ("--out", "--png", "--write_docs", "--verbose")
+
+
+def command_line(argv: Sequence[str]) -> str:
+  """The command that reproduces the figures: `argv` without the output flags."""
+  kept, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+      continue
+    if a in ("--out", "--png"):
+      skip = True  # its value follows
+      continue
+    if a.split("=", 1)[0] in OUTPUT_FLAGS:
+      continue
+    kept.append(shlex.quote(a))
+  return " ".join(["python bench/quality.py", *kept])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  try:
+    args = parse_args(argv)
+  except FlagError as e:
+    print(f"quality: error: {e}", file=sys.stderr)
+    return 2
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.WARNING)
+  tf.get_logger().setLevel("ERROR")
+  start = time.perf_counter()
+  records = run(args.model_list, args.optimizer_list, args.compressor_list, args.seed_list,
+                quick=args.quick, steps=args.steps, evals=args.evals,
+                data_dir=args.data_dir, verbose=args.verbose,
+                log=lambda line: print(line, flush=True))
+  wall = time.perf_counter() - start
+  rows = summarize(records)
+  markdown = report(rows, command_line(argv), wall)
+  print("\n" + markdown, flush=True)
+  if args.out:
+    with open(args.out, "w", encoding="utf-8") as f:
+      f.write(markdown)
+  if args.png:
+    plot(rows, records, args.png)
+  if args.write_docs:
+    write_docs(markdown, args.png or None)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

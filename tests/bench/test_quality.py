@@ -1,0 +1,268 @@
+"""bench/quality.py: its summary math, tables, flags and one tiny run in process."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from absl.testing import parameterized
+import tensorflow as tf
+
+from bench import quality
+from tests import util
+
+# Half the replicas to trace (the second device of each idles), as in
+# tests/launch/test_train.py; the 4 logical CPUs stay split the same way.
+TWO_BY_TWO = {"num_replicas": 2, "num_devices_per_replica": 2}
+
+
+def setUpModule():
+  util.setup_cpus()
+
+
+def _record(compressor, seed, final, curve=None, *, metric="hr@10", optimizer="adam",
+            payload=None, layer=None, model="ncf"):
+  curve = dict(curve or {100: final})
+  return {"model": model, "optimizer": optimizer, "compressor": compressor, "seed": seed,
+          "metric": metric, "learning_rate": 1e-3, "final": final, "curve": curve,
+          "payload_ratio": payload, "layer_payload_ratio": layer, "notes": [],
+          "diverged": "loss is nan" if math.isnan(final) else None}
+
+
+def _rows(records):
+  return {(r["optimizer"], r["compressor"]): r for r in quality.summarize(records)}
+
+
+class SummaryTest(tf.test.TestCase):
+  """`summarize` on hand-made records: every figure computed by hand."""
+
+  def test_higher_is_better(self):
+    rows = _rows([
+        _record("dense", 0, 0.50, {10: 0.40, 20: 0.50}, payload=1.0, layer=1.0),
+        _record("dense", 1, 0.60, {10: 0.50, 20: 0.60}, payload=1.0, layer=1.0),
+        _record("dct", 0, 0.52, {10: 0.30, 20: 0.52}, payload=30.0, layer=4.0),
+        _record("dct", 1, 0.56, {10: 0.40, 20: 0.56}, payload=40.0, layer=6.0),
+        _record("dct_paper", 0, 0.40, {10: 0.40, 20: 0.40}),
+        _record("dct_paper", 1, 0.42, {10: 0.50, 20: 0.42}),
+        _record("topk", 0, 0.64), _record("topk", 1, 0.66),
+    ])
+    dense, dct = rows["adam", "dense"], rows["adam", "dct"]
+    self.assertAlmostEqual(dense["final"], 0.55, places=12)
+    self.assertAlmostEqual(dense["rel"], 0.0, places=12)
+    self.assertAlmostEqual(dense["dense_spread"], 0.10 / 0.55, places=12)
+    self.assertAlmostEqual(dct["final"], 0.54, places=12)
+    self.assertAlmostEqual(dct["rel"], -0.01 / 0.55, places=12)
+    self.assertAlmostEqual(dct["dense_spread"], 0.10 / 0.55, places=12)
+    self.assertTrue(dct["within"])
+    self.assertEqual(dct["verdict"], "within")
+    self.assertEqual(sorted(dct["curve"]), [10, 20])
+    self.assertAlmostEqual(dct["curve"][10], 0.35, places=12)
+    self.assertAlmostEqual(dct["curve_rel"][10], (0.35 - 0.45) / 0.45, places=12)
+    self.assertAlmostEqual(dct["curve_rel"][20], -0.01 / 0.55, places=12)
+    self.assertAlmostEqual(dct["worst_rel"], (0.35 - 0.45) / 0.45, places=12)
+    self.assertAlmostEqual(dct["payload_ratio"], 35.0, places=12)
+    self.assertAlmostEqual(dct["layer_payload_ratio"], 5.0, places=12)
+    self.assertEqual(dct["seeds"], [0, 1])
+    paper = rows["adam", "dct_paper"]
+    self.assertAlmostEqual(paper["rel"], (0.41 - 0.55) / 0.55, places=12)
+    self.assertFalse(paper["within"])
+    self.assertEqual(paper["verdict"], "worse")
+    self.assertAlmostEqual(paper["curve_rel"][10], 0.0, places=12)  # (0.45 - 0.45)
+    self.assertAlmostEqual(paper["worst_rel"], (0.41 - 0.55) / 0.55, places=12)
+    topk = rows["adam", "topk"]
+    self.assertAlmostEqual(topk["rel"], 0.10 / 0.55, places=12)
+    self.assertEqual(topk["verdict"], "better")
+    self.assertIsNone(topk["payload_ratio"])
+
+  def test_lower_is_better_and_the_spread_edges(self):
+    rows = _rows([
+        _record("dense", 0, 100.0, metric="perplexity"),
+        _record("dense", 1, 110.0, metric="perplexity"),
+        _record("dct", 0, 120.0, metric="perplexity"),
+        _record("dct", 1, 120.0, metric="perplexity"),
+        _record("topk", 0, 90.0, metric="perplexity"),
+        _record("topk", 1, 94.0, metric="perplexity"),
+        _record("deft", 0, 100.0, metric="perplexity"),  # mean 110: dense's max
+        _record("deft", 1, 120.0, metric="perplexity"),
+    ])
+    self.assertTrue(rows["adam", "dense"]["lower_is_better"])
+    self.assertAlmostEqual(rows["adam", "dense"]["dense_spread"], 10 / 105, places=12)
+    dct = rows["adam", "dct"]
+    self.assertAlmostEqual(dct["rel"], 15 / 105, places=12)
+    self.assertEqual(dct["verdict"], "worse")
+    self.assertAlmostEqual(dct["worst_rel"], 15 / 105, places=12)
+    topk = rows["adam", "topk"]
+    self.assertAlmostEqual(topk["rel"], -13 / 105, places=12)
+    self.assertEqual(topk["verdict"], "better")
+    self.assertAlmostEqual(topk["worst_rel"], -13 / 105, places=12)
+    self.assertEqual(rows["adam", "deft"]["verdict"], "within")  # the range is closed
+
+  def test_groups_are_per_optimizer_and_divergence_is_reported(self):
+    rows = _rows([
+        _record("dense", 0, 0.5), _record("dense", 1, 0.7),
+        _record("dense", 0, 0.2, optimizer="momentum"),
+        _record("dense", 1, 0.4, optimizer="momentum"),
+        _record("dct", 0, 0.3, optimizer="momentum"),
+        _record("dct", 1, math.nan, optimizer="momentum"),
+    ])
+    self.assertAlmostEqual(rows["adam", "dense"]["final"], 0.6, places=12)
+    self.assertAlmostEqual(rows["momentum", "dense"]["final"], 0.3, places=12)
+    self.assertAlmostEqual(rows["momentum", "dense"]["dense_spread"], 0.2 / 0.3, places=12)
+    dct = rows["momentum", "dct"]
+    self.assertTrue(math.isnan(dct["final"]))
+    self.assertTrue(math.isnan(dct["rel"]))
+    self.assertEqual(dct["verdict"], "diverged")
+    self.assertEqual(dct["diverged"], 1)
+    self.assertIn("1 of 2 seeds diverged", "\n".join(quality.notes_lines(list(rows.values()))))
+
+  def test_without_dense_runs_the_relative_figures_are_nan(self):
+    (row,) = quality.summarize([_record("dct", 0, 0.5), _record("dct", 1, 0.7)])
+    self.assertAlmostEqual(row["final"], 0.6, places=12)
+    self.assertTrue(math.isnan(row["rel"]))
+    self.assertTrue(math.isnan(row["dense_spread"]))
+    self.assertIsNone(row["within"])
+
+  def test_relative(self):
+    self.assertEqual(quality.relative(0.75, 0.5), 0.5)
+    self.assertEqual(quality.relative(-0.75, -0.5), -0.5)  # relative to |reference|
+    self.assertTrue(math.isnan(quality.relative(1.0, 0.0)))
+    self.assertTrue(math.isnan(quality.relative(math.nan, 1.0)))
+
+
+class LayerPayloadTest(tf.test.TestCase):
+
+  def test_ratio_over_the_variables_without_embedding_in_their_name(self):
+    def var(dense, sent):
+      return {"total": {"dense_payload_bytes": dense, "payload_bytes": sent}}
+    variables = {
+        "mf_user/embeddings": var([4000.0, 4000.0], [10.0, 10.0]),
+        "mlp_0/kernel": var([800.0, 800.0], [40.0, 60.0]),
+        "mlp_0/bias": var([40.0, 40.0], [20.0, 20.0]),
+    }
+    self.assertAlmostEqual(quality.layer_payload_ratio(variables), 1680 / 140, places=12)
+    self.assertIsNone(quality.layer_payload_ratio(
+        {"embedding": variables["mf_user/embeddings"]}))
+    self.assertEqual(quality.layer_payload_ratio({"b": var([8.0], [0.0])}), math.inf)
+
+
+class TablesTest(tf.test.TestCase):
+
+  def _rows(self):
+    return quality.summarize([
+        _record("dense", 0, 0.5, {5: 0.4, 10: 0.5}, payload=1.0, layer=1.0),
+        _record("dense", 1, 0.7, {5: 0.6, 10: 0.7}, payload=1.0, layer=1.0),
+        _record("dct", 0, 0.4, {5: 0.3, 10: 0.4}, payload=36.0, layer=8.0),
+        _record("dct", 1, 0.5, {5: 0.4, 10: 0.5}, payload=38.0, layer=10.0),
+    ])
+
+  def test_results_table(self):
+    lines = quality.results_table(self._rows()).splitlines()
+    self.assertLen(lines, 4)
+    self.assertEqual(lines[0].count("|"), 12)
+    self.assertEqual(lines[2], "| ncf | hr@10 (higher better) | adam (0.001) | dense | 0.6000 | - "
+                               "| 33.3% | - | - | 1.0x | 1.0x |")
+    self.assertEqual(lines[3], "| ncf | hr@10 (higher better) | adam (0.001) | dct | 0.4500 | "
+                               "-25.0% | 33.3% | worse | -30.0% | 37.0x | 9.0x |")
+
+  def test_curves_table_and_report(self):
+    curves = quality.curves_table(self._rows())
+    self.assertIn("| compressor | 5 | 10 |", curves)
+    self.assertIn("| dense | 0.5000 | 0.6000 |", curves)
+    self.assertIn("| dct | 0.3500 (-30.0%) | 0.4500 (-25.0%) |", curves)
+    text = quality.report(self._rows(), "python bench/quality.py --quick", 90.0)
+    self.assertIn("Produced by `python bench/quality.py --quick` (1.5 min", text)
+
+  def test_write_docs_replaces_only_the_marked_section(self):
+    path = os.path.join(self.create_tempdir().full_path, "quality.md")
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(f"# Title\n\nintro\n\n{quality.DOC_BEGIN}\nold table\n{quality.DOC_END}\n\nend\n")
+    quality.write_docs("new table", None, path)
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    self.assertEqual(text, f"# Title\n\nintro\n\n{quality.DOC_BEGIN}\n\nnew table\n\n"
+                           f"{quality.DOC_END}\n\nend\n")
+    with open(path, "w", encoding="utf-8") as f:
+      f.write("no markers\n")
+    with self.assertRaisesRegex(quality.FlagError, "lacks the markers"):
+      quality.write_docs("x", None, path)
+
+  def test_command_line_drops_the_output_flags(self):
+    self.assertEqual(
+        quality.command_line(["--models=ncf", "--png", "/tmp/a.png", "--out=/tmp/a.md",
+                              "--write_docs", "--seeds=0,1"]),
+        "python bench/quality.py --models=ncf --seeds=0,1")
+
+
+class FlagsTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      (["--models=ncf,foo"], "--models: unknown foo"),
+      (["--optimizers=rmsprop"], "--optimizers: unknown rmsprop"),
+      (["--compressors=dct,zip"], "--compressors: unknown 'zip'"),
+      (["--compressors=dct+oops"], "expected +keyword=value"),
+      (["--compressors=dct+sparsity=2"], "sparsity must be"),
+      (["--compressors=dense+min_count=0"], "dense takes no options"),
+      (["--compressors=dct,dct"], "lists a value twice"),
+      (["--seeds=0"], "at least 2 distinct seeds"),
+      (["--seeds=0,x"], "comma list of integers"),
+      (["--steps=0"], "--steps must be >= 1"),
+      (["--evals=0"], "--evals must be >= 1"),
+      (["--steps=2", "--evals=3"], "must be >= --evals"),
+      (["--models=dlrm", "--data_dir=/"], "has no ncf"),
+  )
+  def test_bad_flags_are_refused_by_name(self, argv, message):
+    with self.assertRaisesRegex(quality.FlagError, re.escape(message)):
+      quality.parse_args(argv)
+
+  def test_defaults_and_quick(self):
+    args = quality.parse_args([])
+    self.assertEqual(args.model_list, ["dlrm", "ncf", "lstm_lm", "transformer"])
+    self.assertEqual(args.compressor_list, ["dense", "dct", "dct_paper"])
+    self.assertEqual(args.seed_list, [0, 1])
+    quick = quality.parse_args(["--quick", "--compressors=dct"])
+    self.assertEqual(quick.model_list, ["ncf"])
+    self.assertEqual(quick.compressor_list, ["dense", "dct"])  # dense always runs
+
+  def test_paper_specs_and_extra_keywords(self):
+    self.assertEqual(quality.parse_compressor("dct_paper+sparsity=0.9"),
+                     ("dct", {**quality.PAPER, "sparsity": 0.9}))
+    comp, compression, notes = quality.build_compressor("topk+density=0.05")
+    self.assertEqual((type(comp).__name__, compression, comp.density), ("TopK", "topk", 0.05))
+    self.assertEqual(notes, [])
+    comp, _, notes = quality.build_compressor("deft+not_an_option=1")
+    self.assertEqual(type(comp).__name__, "DEFT")
+    self.assertEqual(notes, ["DEFT takes no not_an_option= here: deft+not_an_option=1 runs "
+                             "without it"])
+    self.assertEqual(quality.build_compressor("dense"), (None, "none", []))
+
+
+class TinyRunTest(tf.test.TestCase):
+  """The benchmark's core on ncf (local preset), 4 steps, dense and DCT-DP, 2 seeds."""
+
+  def test_records_and_table(self):
+    lines = []
+    records = quality.run(["ncf"], ["adam"], ["dense", "dct"], [0, 1], quick=True, steps=4,
+                          evals=2, settings=TWO_BY_TWO, log=lines.append)
+    self.assertLen(records, 4)
+    self.assertLen(lines, 4)
+    for r in records:
+      self.assertIsNone(r["diverged"])
+      self.assertEqual(r["metric"], "hr@10")
+      self.assertEqual(sorted(r["curve"]), [2, 4])
+      self.assertEqual(r["final"], r["curve"][4])
+      self.assertBetween(r["final"], 0.0, 1.0)
+    by = {(r["compressor"], r["seed"]): r for r in records}
+    self.assertGreater(by["dct", 0]["payload_ratio"], 5 * by["dense", 0]["payload_ratio"])
+    self.assertGreater(by["dct", 0]["layer_payload_ratio"], 1.0)
+    rows = quality.summarize(records)
+    self.assertEqual([r["compressor"] for r in rows], ["dense", "dct"])
+    dense_mean = (by["dense", 0]["final"] + by["dense", 1]["final"]) / 2
+    dct_mean = (by["dct", 0]["final"] + by["dct", 1]["final"]) / 2
+    self.assertAlmostEqual(rows[1]["final"], dct_mean, places=12)
+    if dense_mean:
+      self.assertAlmostEqual(rows[1]["rel"], (dct_mean - dense_mean) / dense_mean, places=12)
+    table = quality.results_table(rows).splitlines()
+    self.assertLen(table, 4)
+    self.assertTrue(table[2].startswith("| ncf | hr@10 (higher better) | adam ("))
+    self.assertIn("| dct |", table[3])
