@@ -9,8 +9,11 @@ tensorflow-text.
 
 Launcher defaults per model (`ModelSpec.defaults`) fill the flags that were not
 given; `ModelSpec.local` is what `--config=local` changes on top of them (tiny
-dimensions, few steps). Everything is plain data, listed by
-`python -m launch.train --helpfull` and documented in docs/launch.md.
+dimensions, few steps). The learning rate depends on the optimizer as well as
+on the model: `ModelSpec.learning_rates` (and `local_learning_rates` for
+`--config=local`) map every optimizer to a rate that trains. Everything is
+plain data, listed by `python -m launch.train --helpfull` and documented in
+docs/launch.md.
 """
 
 from __future__ import annotations
@@ -22,12 +25,18 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+# The --optimizer values (launch/train.py builds them); every spec has a
+# learning rate for each, in both presets.
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
+
 # Launcher settings every model has (flag name -> value); per-model defaults
-# override these, `--config=local` overrides those, explicit flags win.
+# override these, `--config=local` overrides those, explicit flags win. The
+# learning rate is not among them: it comes from the spec's table for the
+# optimizer in use (`learning_rate()`).
 COMMON_DEFAULTS = {
     "batch_size": 256, "steps": 300, "eval_every": 0, "log_every": 50,
     "num_replicas": 4, "num_devices_per_replica": 1, "mp_splits": "",
-    "optimizer": "adam", "learning_rate": 1e-3,
+    "optimizer": "adam",
     "sparsity": 0.99, "threshold_life": 1000, "density": 0.01,
     "threshold": 1e-3, "mp_sparsity": 0.9,
 }
@@ -50,6 +59,9 @@ class ModelSpec:
     local_model_kwargs: the same for `--config=local` (tiny dimensions).
     defaults: launcher flag values for this model (over COMMON_DEFAULTS).
     local: launcher flag values for `--config=local` (over COMMON_LOCAL).
+    learning_rates: {optimizer: learning rate} of the default preset, one
+      entry per OPTIMIZERS value.
+    local_learning_rates: the same for `--config=local`.
     metric: the headline metric key of `evaluate`'s result.
     has_splits: whether `build_model` takes `split_fn` (DCT-MP split points).
     paper_splits: what `--mp_splits=paper` means (DCT §3.1 / §3.2).
@@ -65,6 +77,8 @@ class ModelSpec:
   local_model_kwargs: dict = dataclasses.field(default_factory=dict)
   defaults: dict = dataclasses.field(default_factory=dict)
   local: dict = dataclasses.field(default_factory=dict)
+  learning_rates: dict = dataclasses.field(default_factory=dict)
+  local_learning_rates: dict = dataclasses.field(default_factory=dict)
   metric: str = "loss"
   has_splits: bool = False
   paper_splits: tuple[str, ...] = ()
@@ -284,9 +298,12 @@ def _tiny(module: str, name: str = "TINY_CONFIG") -> dict:
 SPECS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(
         "mlp", "models.mlp", local_model_kwargs={"hidden": (32, 16)},
-        defaults={"optimizer": "sgd", "learning_rate": 0.05, "batch_size": 256,
-                  "steps": 300},
-        local={"optimizer": "sgd", "learning_rate": 0.05},
+        defaults={"optimizer": "sgd", "batch_size": 256, "steps": 300},
+        local={"optimizer": "sgd"},
+        learning_rates={"sgd": 0.05, "momentum": 0.02, "adam": 3e-3, "adamw": 3e-3,
+                        "adagrad": 0.1},
+        local_learning_rates={"sgd": 0.05, "momentum": 0.02, "adam": 1e-2, "adamw": 1e-2,
+                              "adagrad": 0.1},
         metric="mse", takes_data_dir=False,
         build_fn=_mlp_build, dataset_fn=_mlp_dataset, evaluate_fn=_mlp_evaluate,
         loss_fn=_mse),
@@ -295,43 +312,59 @@ SPECS: dict[str, ModelSpec] = {
         # The Quick-start main job: DCT §3.1 dims, DCT-DP across 2 replicas,
         # DCT-MP at the paper's two splits across 2 devices per replica.
         defaults={"num_replicas": 2, "num_devices_per_replica": 2, "mp_splits": "paper",
-                  "optimizer": "adam", "learning_rate": 1e-3, "batch_size": 256,
+                  "optimizer": "adam", "batch_size": 256,
                   "steps": 300, "log_every": 50, "eval_every": 0},
-        local={"learning_rate": 0.02, "batch_size": 64},
+        local={"batch_size": 64},
+        learning_rates={"sgd": 0.5, "momentum": 0.05, "adam": 1e-3, "adamw": 1e-3,
+                        "adagrad": 0.2},
+        local_learning_rates={"sgd": 0.5, "momentum": 0.05, "adam": 0.02, "adamw": 0.02,
+                              "adagrad": 0.1},
         metric="auc", has_splits=True, paper_splits=("bottom_1", "top_1"),
         top_level_splits=True, fit_metrics=_dlrm_metrics,
         build_fn=_dlrm_build, dataset_fn=_dlrm_dataset, evaluate_fn=_dlrm_evaluate,
         points_fn=_dlrm_points, loss_fn=_module_loss),
     "ncf": ModelSpec(
         "ncf", "models.ncf", local_model_kwargs={"mf_dim": 8, "mlp_layers": (16, 8)},
-        defaults={"optimizer": "adam", "learning_rate": 1e-3, "batch_size": 1024,
-                  "steps": 1000},
-        local={"learning_rate": 0.01, "batch_size": 256},
+        defaults={"optimizer": "adam", "batch_size": 1024, "steps": 1000},
+        local={"batch_size": 256},
+        learning_rates={"sgd": 1.0, "momentum": 0.3, "adam": 1e-3, "adamw": 1e-3,
+                        "adagrad": 0.2},
+        local_learning_rates={"sgd": 1.0, "momentum": 0.1, "adam": 0.01, "adamw": 0.01,
+                              "adagrad": 0.2},
         metric="hr@10", fit_metrics=_ncf_metrics,
         build_fn=_ncf_build, dataset_fn=_ncf_dataset, evaluate_fn=_ncf_evaluate,
         loss_fn=_module_loss),
     "transformer": ModelSpec(
         "transformer", "models.transformer", local_model_kwargs=_tiny("models.transformer"),
-        defaults={"optimizer": "adam", "learning_rate": 5e-4, "batch_size": 64,
-                  "steps": 2000},
-        local={"learning_rate": 3e-3, "batch_size": 32},
+        defaults={"optimizer": "adam", "batch_size": 64, "steps": 2000},
+        local={"batch_size": 32},
+        learning_rates={"sgd": 0.1, "momentum": 0.01, "adam": 5e-4, "adamw": 5e-4,
+                        "adagrad": 0.05},
+        local_learning_rates={"sgd": 0.3, "momentum": 0.1, "adam": 3e-3, "adamw": 3e-3,
+                              "adagrad": 0.2},
         # DCT §3.2: one split after the FFN ReLU of the fifth encoder layer.
         metric="bleu", has_splits=True, paper_splits=("encoder_ffn_4",),
         build_fn=_tr_build, dataset_fn=_tr_dataset, evaluate_fn=_tr_evaluate,
         points_fn=_tr_points, loss_fn=_module_loss),
     "resnet": ModelSpec(
         "resnet", "models.resnet", local_model_kwargs=_tiny("models.resnet"),
-        defaults={"optimizer": "momentum", "learning_rate": 0.05, "batch_size": 128,
-                  "steps": 2000},
-        local={"optimizer": "adam", "learning_rate": 1e-2, "batch_size": 32},
+        defaults={"optimizer": "momentum", "batch_size": 128, "steps": 2000},
+        local={"optimizer": "adam", "batch_size": 32},
+        learning_rates={"sgd": 0.5, "momentum": 0.05, "adam": 1e-3, "adamw": 1e-3,
+                        "adagrad": 0.05},
+        local_learning_rates={"sgd": 1.0, "momentum": 0.1, "adam": 1e-2, "adamw": 1e-2,
+                              "adagrad": 0.2},
         metric="accuracy",
         build_fn=_resnet_build, dataset_fn=_resnet_dataset, evaluate_fn=_resnet_evaluate,
         loss_fn=_resnet_loss),
     "lstm_lm": ModelSpec(
         "lstm_lm", "models.lstm_lm", local_model_kwargs=_tiny("models.lstm_lm"),
-        defaults={"optimizer": "sgd", "learning_rate": 1.0, "batch_size": 64,
-                  "steps": 2000},
-        local={"optimizer": "adam", "learning_rate": 3e-2, "batch_size": 32},
+        defaults={"optimizer": "sgd", "batch_size": 64, "steps": 2000},
+        local={"optimizer": "adam", "batch_size": 32},
+        learning_rates={"sgd": 1.0, "momentum": 0.1, "adam": 1e-3, "adamw": 1e-3,
+                        "adagrad": 0.1},
+        local_learning_rates={"sgd": 3.0, "momentum": 0.3, "adam": 3e-2, "adamw": 3e-2,
+                              "adagrad": 1.0},
         metric="perplexity",
         build_fn=_lstm_build, dataset_fn=_lstm_dataset, evaluate_fn=_lstm_evaluate,
         loss_fn=_module_loss),
@@ -354,13 +387,28 @@ def get(name: str) -> ModelSpec:
   return spec
 
 
+def learning_rate(name: str, config: str, optimizer: str) -> float:
+  """The learning rate of `--model=name` under a preset with `optimizer`."""
+  spec = SPECS[name]
+  table = spec.local_learning_rates if config == "local" else spec.learning_rates
+  if optimizer not in table:
+    raise ValueError(f"--optimizer={optimizer}: no learning rate for --model={name} "
+                     f"(--config={config}); expected one of {sorted(table)}")
+  return table[optimizer]
+
+
 def settings(name: str, config: str) -> dict:
-  """Launcher settings of a model under a preset: COMMON < model < local."""
+  """Launcher settings of a model under a preset: COMMON < model < local.
+
+  `learning_rate` is the preset's rate for the preset's optimizer; with
+  another optimizer, `learning_rate()` gives the rate.
+  """
   spec = SPECS[name]
   out = {**COMMON_DEFAULTS, **spec.defaults}
   if config == "local":
     out.update(COMMON_LOCAL)
     out.update(spec.local)
+  out["learning_rate"] = learning_rate(name, config, out["optimizer"])
   return out
 
 

@@ -44,7 +44,15 @@ COMPRESSIONS = ("none", "dct", "deft", "topk", "cltk", "threshold")
 COMPRESSOR_CLASSES = {"none": "Dense", "dct": "DCTDP", "deft": "DEFT", "topk": "TopK",
                       "cltk": "CLTK", "threshold": "HardThreshold"}
 LOOPS = ("custom", "fit")
-OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIMIZERS = registry.OPTIMIZERS
+# Momentum of --optimizer=momentum (tf_keras SGD).
+MOMENTUM = 0.9
+# Compressors with an error-feedback residual: they take --min_count and can
+# keep the momentum themselves (DGC momentum correction).
+SPARSIFIERS = ("dct", "deft", "topk")
+# Decoupled weight decay of --optimizer=adamw (scaled by the learning rate, as
+# in tf_keras.optimizers.AdamW and torch.optim.AdamW).
+ADAMW_WEIGHT_DECAY = 0.01
 
 flags.DEFINE_enum("model", "dlrm", MODELS, "Model to train (models/<name>).")
 flags.DEFINE_enum("config", "default", CONFIGS,
@@ -71,6 +79,15 @@ flags.DEFINE_float("threshold", None, "Hard-threshold lambda >= 0 (--compression
                    "Default 1e-3.")
 flags.DEFINE_integer("warmup_steps", 0, "Dense aggregation steps before compression starts.")
 flags.DEFINE_integer("min_size", 0, "Variables with fewer entries are always aggregated densely.")
+flags.DEFINE_integer("min_count", None,
+                     "dct/deft/topk: every compressed variable sends at least "
+                     "min(entries, min_count) entries per step; >= 0 (0: the published "
+                     "selection rules). Default: the compressor's (8).")
+flags.DEFINE_boolean("momentum_correction", True,
+                     "With --optimizer=momentum and --compression=dct/deft/topk: each replica "
+                     "keeps the momentum of its own gradients in the compressor (DGC momentum "
+                     "correction) and the compressed variables are updated as plain SGD. "
+                     "false: the optimizer's momentum acts on the compressed aggregate.")
 flags.DEFINE_list("compression_exclude", [],
                   "Regular expressions; variables whose names match one are all-reduced as "
                   "they are (embedding IndexedSlices all-gathered), not compressed. E.g. "
@@ -89,16 +106,22 @@ flags.DEFINE_integer("log_every", None, "Steps between progress lines. Default 5
 flags.DEFINE_string("model_dir", "", "Checkpoints and TensorBoard summaries; empty: neither.")
 flags.DEFINE_enum("loop", "custom", LOOPS,
                   "custom: Replicator.run(step_fn, input_fn); fit: tf-keras model.fit.")
-flags.DEFINE_enum("optimizer", None, OPTIMIZERS, "Optimizer. Default: per model.")
-flags.DEFINE_float("learning_rate", None, "Learning rate. Default: per model.")
+flags.DEFINE_enum("optimizer", None, OPTIMIZERS,
+                  "Optimizer: sgd, momentum (SGD with momentum 0.9), adam, adamw (Adam "
+                  f"with decoupled weight decay {ADAMW_WEIGHT_DECAY}), adagrad. Default: "
+                  "per model.")
+flags.DEFINE_float("learning_rate", None,
+                   "Learning rate. Default: per model and --optimizer (a table in "
+                   "launch/registry.py, one per preset).")
 flags.DEFINE_integer("seed", 0, "Seed of model initialisation and data.")
 
 FLAGS = flags.FLAGS
 
 # Launcher settings resolved per model/preset (flags defaulting to None).
-SETTINGS = tuple(registry.COMMON_DEFAULTS)
+SETTINGS = (*registry.COMMON_DEFAULTS, "learning_rate")
 PLAIN = ("model", "config", "data_dir", "replicator", "tpu", "compression", "warmup_steps",
-         "min_size", "compression_exclude", "model_dir", "loop", "seed")
+         "min_size", "min_count", "momentum_correction", "compression_exclude", "model_dir",
+         "loop", "seed")
 
 
 class FlagError(app.UsageError, ValueError):
@@ -130,6 +153,10 @@ def resolved_config() -> dict:
       explicit.add(name)
     else:
       cfg[name] = preset[name]
+  if "learning_rate" not in explicit and cfg["optimizer"] in OPTIMIZERS:
+    # The rate follows the optimizer actually used, given or preset.
+    cfg["learning_rate"] = registry.learning_rate(cfg["model"], cfg["config"],
+                                                  cfg["optimizer"])
   cfg["explicit"] = frozenset(explicit | {n for n in PLAIN if _given(n)})
   validate(cfg)
   return cfg
@@ -182,8 +209,23 @@ def validate(cfg: dict) -> None:
   for name in ("eval_every", "warmup_steps", "min_size"):
     if cfg[name] < 0:
       raise FlagError(f"--{name} must be >= 0, got {cfg[name]}")
+  if cfg["optimizer"] not in OPTIMIZERS:
+    raise FlagError(f"--optimizer: unknown optimizer {cfg['optimizer']!r}; expected one "
+                    f"of {OPTIMIZERS}")
   _in_range(cfg, "learning_rate", 0, None, True, True)
   comp = cfg["compression"]
+  min_count = cfg.get("min_count")
+  if min_count is not None:
+    if comp not in SPARSIFIERS:
+      raise FlagError(f"--min_count is for --compression={'/'.join(SPARSIFIERS)}, not "
+                      f"--compression={comp}")
+    if min_count < 0:
+      raise FlagError(f"--min_count must be >= 0, got {min_count}")
+  if "momentum_correction" in cfg.get("explicit", ()) and not (
+      cfg["optimizer"] == "momentum" and comp in SPARSIFIERS):
+    raise FlagError("--momentum_correction applies to --optimizer=momentum with "
+                    f"--compression={'/'.join(SPARSIFIERS)}; this run has "
+                    f"--optimizer={cfg['optimizer']} --compression={comp}")
   exclude = cfg.get("compression_exclude") or []
   if exclude and comp == "none":
     raise FlagError("--compression_exclude needs a compressor; --compression=none "
@@ -243,6 +285,14 @@ def make_compressor(cfg: dict):
   cls = getattr(tf_dct.compression, COMPRESSOR_CLASSES[comp])
   common = {"min_size": cfg["min_size"], "warmup_steps": cfg["warmup_steps"],
             "exclude": tuple(cfg.get("compression_exclude") or ())}
+  if comp in SPARSIFIERS:
+    if cfg.get("min_count") is not None:
+      common["min_count"] = cfg["min_count"]
+    if cfg["optimizer"] == "momentum":
+      # The Keras adapter then applies the compressed variables' aggregate as
+      # plain SGD; variables left dense (excluded, below --min_size) keep the
+      # optimizer's momentum.
+      common["momentum"] = MOMENTUM if cfg.get("momentum_correction", True) else 0.0
   if comp == "dct":
     return cls(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"], **common)
   if comp == "threshold":
@@ -252,12 +302,20 @@ def make_compressor(cfg: dict):
 
 
 def make_optimizer(cfg: dict):
+  """The tf_keras optimizer of `--optimizer` at `--learning_rate`."""
   lr = cfg["learning_rate"]
-  if cfg["optimizer"] == "sgd":
+  name = cfg["optimizer"]
+  if name == "sgd":
     return tf_keras.optimizers.SGD(lr)
-  if cfg["optimizer"] == "momentum":
-    return tf_keras.optimizers.SGD(lr, momentum=0.9)
-  return tf_keras.optimizers.Adam(lr)
+  if name == "momentum":
+    return tf_keras.optimizers.SGD(lr, momentum=MOMENTUM)
+  if name == "adam":
+    return tf_keras.optimizers.Adam(lr)
+  if name == "adamw":
+    return tf_keras.optimizers.AdamW(lr, weight_decay=ADAMW_WEIGHT_DECAY)
+  if name == "adagrad":
+    return tf_keras.optimizers.Adagrad(lr)
+  raise FlagError(f"--optimizer: unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
 # --- model parallelism -----------------------------------------------------------
@@ -325,6 +383,33 @@ def _run_on_logical_device(layer, index: int) -> None:
 
 def _mb(x: float) -> str:
   return f"{x / 1e6:,.2f} MB"
+
+
+class TrainingDiverged(FloatingPointError):
+  """The training loss became NaN or infinite: the learning rate is too high.
+
+  Attributes:
+    loss: the loss value (nan or +-inf).
+    step: the step whose loss it is.
+  """
+
+  def __init__(self, message: str, loss: float = math.nan, step: int = -1):
+    super().__init__(message)
+    self.loss, self.step = loss, step
+
+  def __reduce__(self):
+    return type(self), (str(self), self.loss, self.step)
+
+  @classmethod
+  def at(cls, loss: float, step: int, cfg: dict) -> "TrainingDiverged":
+    """The error for `loss` at `step`, naming the learning rate of `cfg`."""
+    if "learning_rate" in cfg.get("explicit", ()):
+      where = f"--optimizer={cfg['optimizer']}"
+    else:
+      where = (f"the default for --model={cfg['model']} --config={cfg['config']} "
+               f"--optimizer={cfg['optimizer']}")
+    return cls(f"loss is {loss} at step {step}: training diverged; lower --learning_rate "
+               f"(now {cfg['learning_rate']:g}, {where})", loss, step)
 
 
 class Job:
@@ -559,7 +644,7 @@ class Job:
     for name, value in (train_metrics or {}).items():
       tf.summary.scalar(f"train/{name}", value, step=step)
     if not math.isfinite(loss):
-      raise FloatingPointError(f"loss is {loss} at step {step}")
+      raise TrainingDiverged.at(loss, step, cfg)
     last = step == cfg["steps"]
     if step % cfg["log_every"] == 0 or last:
       self._log(step, loss)
@@ -668,12 +753,21 @@ def print_table(s: dict, cfg: dict) -> None:
   """The final summary table (markdown)."""
   fmt = lambda v: "-" if v is None else f"{v:.5f}"
   comp = s["compression"]
+  options = []
   if comp == "dct":
-    comp += f" (sparsity {cfg['sparsity']}, L={cfg['threshold_life']})"
+    options.append(f"sparsity {cfg['sparsity']}, L={cfg['threshold_life']}")
   elif comp in ("deft", "topk", "cltk"):
-    comp += f" (density {cfg['density']})"
+    options.append(f"density {cfg['density']}")
   elif comp == "threshold":
-    comp += f" (lambda {cfg['threshold']})"
+    options.append(f"lambda {cfg['threshold']}")
+  if comp in SPARSIFIERS:
+    if cfg.get("min_count") is not None:
+      options.append(f"min_count {cfg['min_count']}")
+    if cfg["optimizer"] == "momentum":
+      options.append("momentum correction" if cfg.get("momentum_correction", True)
+                     else "no momentum correction")
+  if options:
+    comp += f" ({', '.join(options)})"
   rows = [
       ("model", f"{s['model']} ({s['config']}, loop={s['loop']})"),
       ("replicas x devices", f"{s['replicas']} x {s['devices_per_replica']}"),
@@ -725,7 +819,7 @@ def main(argv):
   tf.get_logger().setLevel("ERROR")
   try:
     train(resolved_config())
-  except FlagError as e:  # one line naming the flag, not absl's full usage text
+  except (FlagError, TrainingDiverged) as e:  # one line naming the flag, no traceback
     print(f"launch.train: error: {e}", file=sys.stderr)
     sys.exit(1)
 
