@@ -26,7 +26,8 @@ The "dense" configuration all-reduces the embedding gradient densified (the
 whole table, 4 bytes per entry: the DCT paper's dense baseline and what the
 accounting's `dense_bytes` prices). The launcher's own --compression=none
 (`tf_dct.compression.Dense`) hands the IndexedSlices to the collective, which
-all-gathers the touched rows instead; that is configuration "native" here.
+all-gathers the looked-up rows instead, as stock TensorFlow does (what the
+accounting's `stock_bytes` prices); that is configuration "native" here.
 
 Not meant to be run by hand; see bench/e2e_link.py.
 """
@@ -170,6 +171,7 @@ class TimedJob(train.Job):
     mp = self.mp_bytes() or {}
     return {"dp_bytes_sent": comm.get("bytes_sent", 0.0),
             "dp_bytes_received": comm.get("bytes_received", 0.0),
+            "dp_stock_bytes": comm.get("stock_bytes", 0.0),
             "dp_dense_bytes": comm.get("dense_bytes", 0.0),
             "dp_payload_bytes": comm.get("payload_bytes", 0.0),
             "density": comm.get("last_density"),

@@ -42,6 +42,7 @@ import tensorflow as tf
 import tf_dct
 from tf_dct.async_replicator import AsyncReplicator, validate_ps_tf_config
 from tf_dct.compression.async_push import AsyncPush
+from tf_dct.compression.dct_dp import DCTDP
 from tests import async_chief_script as acs
 from tests import multi_worker_util
 
@@ -253,6 +254,12 @@ class AsyncValidationTest(tf.test.TestCase):
       AsyncReplicator(input_replication=tf_dct.PER_REPLICA)
     with self.assertRaisesRegex(TypeError, "AsyncReplicator"):
       AsyncPush(object(), None)
+    with self.assertRaisesRegex(ValueError, r"momentum correction \(momentum="
+                                r"0.9\) is not available here"):
+      AsyncPush(object(), DCTDP(momentum=0.9))
+    with self.assertRaisesRegex(ValueError, r"Adam correction \(adam=True\) "
+                                r"is not available here"):
+      AsyncPush(object(), DCTDP(adam=True))
 
 
 def run_tail(run) -> str:

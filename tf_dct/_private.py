@@ -182,6 +182,13 @@ def tf_keras_var_key(optimizer, variable):
   return optimizer._var_key(variable)  # pylint: disable=protected-access
 
 
+def keras3_var_key(optimizer, variable):
+  """Keras 3 (TF backend) `TFOptimizer._var_key`: one key for a Keras
+  variable, its backing tf.Variable, a distributed variable and each of its
+  per-device components (what `update_step` receives)."""
+  return optimizer._var_key(variable)  # pylint: disable=protected-access
+
+
 def check() -> None:
   """Raises AssertionError if a private API we rely on has drifted."""
   from tensorflow.python.framework import auto_control_deps as acd  # pylint: disable=g-import-not-at-top
@@ -251,3 +258,8 @@ def check() -> None:
   update_src = inspect.getsource(base._backend_update_step)
   assert KERAS3_AGGREGATION_METHOD in update_src, (
       "Keras 3 _backend_update_step no longer calls the aggregation method")
+  assert "_distributed_container" in inspect.getsource(base._var_key), (
+      "Keras 3 TFOptimizer._var_key no longer maps components to their container")
+  assert "self.update_step(grad, var, learning_rate)" in inspect.getsource(
+      base._distributed_tf_update_step), (
+          "Keras 3 no longer applies each variable through update_step")

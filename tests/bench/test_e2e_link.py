@@ -326,8 +326,8 @@ def test_counters_and_summary_arithmetic():
 
   def worker(sent):
     return {"timed_steps": 4, "window_seconds": 2.0, "step_times": [0.5] * 4,
-            "per_step": {"dp_bytes_sent": sent, "dp_dense_bytes": 4e6, "mp_bytes": 0,
-                         "mp_dense_bytes": 0},
+            "per_step": {"dp_bytes_sent": sent, "dp_stock_bytes": 2e6,
+                         "dp_dense_bytes": 4e6, "mp_bytes": 0, "mp_dense_bytes": 0},
             "eval": {"loss": 0.5}, "table_entries": 10, "num_parameters": 20}
 
   raw = {"config": "dctdp", "workers": [worker(1e6), worker(1e6)], "wall_seconds": 9.0,
@@ -338,3 +338,40 @@ def test_counters_and_summary_arithmetic():
   assert row["wire_bytes"] == pytest.approx(1.1e6)
   assert row["wire_over_acct"] == pytest.approx(1.1)
   assert row["utilization"] == pytest.approx(4.4e6 * 8 / (1e8 * 2.0))
+  assert row["stock_bytes"] == pytest.approx(2e6)
+  assert row["dense_bytes"] == pytest.approx(4e6)
+
+
+def _row(config, step_ms, test_loss, acct=1e6, stock=2e6):
+  return {"config": config, "step_ms": step_ms, "median_step_ms": step_ms,
+          "cpu_ms": None, "acct_bytes": acct, "stock_bytes": stock,
+          "dense_bytes": 4e6, "wire_bytes": 1.05 * acct, "wire_over_acct": 1.05,
+          "tcp_payload_bytes": acct, "wire_packets": 100, "utilization": 0.5,
+          "qdisc_drops": 0, "mp_bytes": 0, "mp_dense_bytes": 0, "test_loss": test_loss}
+
+
+def test_report_ratios_vs_native_first():
+  rows = [_row("native", 100.0, 0.5, acct=2e6), _row("dense", 400.0, 0.5, acct=4e6),
+          _row("dctdp", 80.0, 0.51)]
+  out = io.StringIO()
+  shaping = e2e_link.Shaping("netem", True, [])
+  verdict = e2e_link.report(rows, e2e_link.parse_args([]), shaping, out)
+  assert verdict["step_ratio"] == {"dense": pytest.approx(4.0),
+                                   "dctdp": pytest.approx(0.8)}
+  assert verdict["loss_rel"]["dctdp"] == pytest.approx(0.02)
+  assert verdict["step_ratio_dense"]["dctdp"] == pytest.approx(0.2)
+  text = out.getvalue()
+  header = next(line for line in text.splitlines() if line.startswith("| config"))
+  assert header.index("vs native") < header.index("vs dense")
+  assert header.index("loss vs native") < header.index("loss vs dense")
+  dctdp = next(line for line in text.splitlines() if line.startswith("| dctdp"))
+  cells = [c.strip() for c in dctdp.split("|")[1:-1]]
+  assert cells[2:7] == ["0.800x", "0.200x", "0.51000", "+2.000%", "+2.000%"]
+  assert cells[9] == "2.000x"  # stock / accounting
+  assert ("- dctdp: step time 0.800x native (stock TF), test loss +2.000% vs "
+          "native; 0.200x dense (densified all-reduce), +2.000% vs dense") in text
+  # Without native the ratios against it are "-", and the report says so.
+  out = io.StringIO()
+  verdict = e2e_link.report(rows[1:], e2e_link.parse_args([]), shaping, out)
+  assert verdict["step_ratio"] == {}
+  assert "no native configuration in --configs" in out.getvalue()

@@ -22,11 +22,12 @@ def setUpModule():
 
 
 def _record(compressor, seed, final, curve=None, *, metric="hr@10", optimizer="adam",
-            payload=None, layer=None, model="ncf"):
+            payload=None, layer=None, model="ncf", stock=None):
   curve = dict(curve or {100: final})
   return {"model": model, "optimizer": optimizer, "compressor": compressor, "seed": seed,
           "metric": metric, "learning_rate": 1e-3, "final": final, "curve": curve,
-          "payload_ratio": payload, "layer_payload_ratio": layer, "notes": [],
+          "payload_ratio": payload, "layer_payload_ratio": layer,
+          "stock_payload_ratio": stock, "notes": [],
           "diverged": "loss is nan" if math.isnan(final) else None}
 
 
@@ -150,20 +151,20 @@ class TablesTest(tf.test.TestCase):
 
   def _rows(self):
     return quality.summarize([
-        _record("dense", 0, 0.5, {5: 0.4, 10: 0.5}, payload=1.0, layer=1.0),
-        _record("dense", 1, 0.7, {5: 0.6, 10: 0.7}, payload=1.0, layer=1.0),
-        _record("dct", 0, 0.4, {5: 0.3, 10: 0.4}, payload=36.0, layer=8.0),
-        _record("dct", 1, 0.5, {5: 0.4, 10: 0.5}, payload=38.0, layer=10.0),
+        _record("dense", 0, 0.5, {5: 0.4, 10: 0.5}, payload=2.0, layer=1.0, stock=1.0),
+        _record("dense", 1, 0.7, {5: 0.6, 10: 0.7}, payload=2.0, layer=1.0, stock=1.0),
+        _record("dct", 0, 0.4, {5: 0.3, 10: 0.4}, payload=36.0, layer=8.0, stock=18.0),
+        _record("dct", 1, 0.5, {5: 0.4, 10: 0.5}, payload=38.0, layer=10.0, stock=20.0),
     ])
 
   def test_results_table(self):
     lines = quality.results_table(self._rows()).splitlines()
     self.assertLen(lines, 4)
-    self.assertEqual(lines[0].count("|"), 12)
+    self.assertEqual(lines[0].count("|"), 13)
     self.assertEqual(lines[2], "| ncf | hr@10 (higher better) | adam (0.001) | dense | 0.6000 | - "
-                               "| 33.3% | - | - | 1.0x | 1.0x |")
+                               "| 33.3% | - | - | 1.0x | 2.0x | 1.0x |")
     self.assertEqual(lines[3], "| ncf | hr@10 (higher better) | adam (0.001) | dct | 0.4500 | "
-                               "-25.0% | 33.3% | worse | -30.0% | 37.0x | 9.0x |")
+                               "-25.0% | 33.3% | worse | -30.0% | 19.0x | 37.0x | 9.0x |")
 
   def test_curves_table_and_report(self):
     curves = quality.curves_table(self._rows())
@@ -254,6 +255,8 @@ class TinyRunTest(tf.test.TestCase):
       self.assertBetween(r["final"], 0.0, 1.0)
     by = {(r["compressor"], r["seed"]): r for r in records}
     self.assertGreater(by["dct", 0]["payload_ratio"], 5 * by["dense", 0]["payload_ratio"])
+    self.assertAlmostEqual(by["dense", 0]["stock_payload_ratio"], 1.0, places=6)
+    self.assertGreater(by["dct", 0]["stock_payload_ratio"], 1.0)
     self.assertGreater(by["dct", 0]["layer_payload_ratio"], 1.0)
     rows = quality.summarize(records)
     self.assertEqual([r["compressor"] for r in rows], ["dense", "dct"])

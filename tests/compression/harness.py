@@ -31,6 +31,14 @@ def gradients(steps: int, replicas: int, seed: int = 0, shapes=SHAPES):
   return out
 
 
+def continuous_gradients(steps: int, replicas: int, seed: int = 0,
+                         shapes=SHAPES):
+  """grads[t][r][v] without ties, so every selection rule agrees on top-k."""
+  rng = np.random.default_rng(seed)
+  return [[[rng.normal(size=s).astype(np.float32) for s in shapes]
+           for _ in range(replicas)] for _ in range(steps)]
+
+
 def run(compressor, grads, replicas: int, jit_compile: bool = False,
         shapes=SHAPES):
   """Feeds grads[t][r][v] to `compressor.aggregate` on `replicas` replicas.

@@ -5,6 +5,7 @@ import glob
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
+import tf_keras
 
 import tf_dct
 from tf_dct.compression import CLTK
@@ -124,6 +125,9 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(last["payload_bytes"], [p + m] * 2)
     self.assertEqual(last["dense_bytes"], [dense] * 2)
     self.assertEqual(last["dense_payload_bytes"], [4 * 43] * 2)
+    # Dense gradients: stock TF all-reduces them, as the densified baseline.
+    self.assertEqual(last["stock_bytes"], [dense] * 2)
+    self.assertEqual(last["stock_payload_bytes"], [4 * 43] * 2)
     self.assertEqual(total["bytes_sent"], [2 * sent] * 2)
     self.assertEqual(total["dense_bytes"], [2 * dense] * 2)
     nnz0 = int(np.count_nonzero(outs[-1][0][0]))
@@ -144,6 +148,11 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     events = _events(logdir)
     self.assertEqual(events["tf_dct/bytes_sent"], [(1, sent), (2, sent)])
     self.assertEqual(events["tf_dct/dense_bytes"], [(1, dense), (2, dense)])
+    self.assertEqual(events["tf_dct/stock_bytes"], [(1, dense), (2, dense)])
+    self.assertAllClose([v for _, v in events["tf_dct/stock_ratio"]],
+                        [dense / sent] * 2)
+    self.assertAllClose([v for _, v in events["tf_dct/stock_payload_ratio"]],
+                        [4 * 43 / (p + m)] * 2)
     self.assertAllClose(events["tf_dct/density/w0"][-1][1], nnz0 / 40)
     self.assertAllClose(events["tf_dct/threshold/w0"][-1][1], taus[0])
     self.assertIn("tf_dct/density", events)
@@ -198,8 +207,9 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(stats["last"]["density"], [1.0] * 4)
 
   def test_dense_records_the_all_gather_of_indexed_slices(self):
-    # TF's collectives gather IndexedSlices (values + int64 row ids) instead
-    # of all-reducing the table: 3 rows of width 4 -> P = 48 + 24 bytes.
+    # TF's collectives gather IndexedSlices (row count, values, int64 row
+    # ids) instead of all-reducing the table: 3 rows of width 4 ->
+    # P = 4 + 48 + 24 bytes, the stock baseline itself.
     repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"])
     compressor = Dense()
     compressor.bind(repl)
@@ -219,8 +229,10 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
       want[[r, r + 2, r + 5]] += 1
     self.assertAllEqual(out[0], want)
     stats = compressor.communication_stats()["last"]
-    self.assertEqual(stats["payload_bytes"], [72.0, 72.0])
-    self.assertEqual(stats["bytes_sent"], [72.0, 72.0])  # (n - 1) * P
+    self.assertEqual(stats["payload_bytes"], [76.0, 76.0])
+    self.assertEqual(stats["bytes_sent"], [76.0, 76.0])  # (n - 1) * P
+    self.assertEqual(stats["stock_payload_bytes"], [76.0, 76.0])
+    self.assertEqual(stats["stock_bytes"], [76.0, 76.0])
     self.assertEqual(stats["dense_bytes"], [160.0, 160.0])
     self.assertEqual(stats["sent"], [12, 12])
     self.assertEqual(stats["nnz"], [24, 24])  # gathered entries (upper bound)
@@ -231,6 +243,135 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     stats = compressor.communication_stats()
     self.assertEqual(stats["steps"], [0, 0])
     self.assertEqual(stats["variables"], {})
+
+
+class StockBaselineTest(tf.test.TestCase, parameterized.TestCase):
+  """Baselines priced as stock TF sends each gradient, and densified.
+
+  The model: int32 ids [batch, 2] -> Embedding(10, 4) -> Flatten ->
+  Dense(1), on 4 replicas with 3 examples each. Per replica and step, by
+  hand (n = 4: ring all-gather (n - 1) P = 3P, all-reduce 2 (n - 1) / n M =
+  1.5M):
+
+  | variable | stock payload | stock ring | densified payload | densified ring |
+  |---|---|---|---|---|
+  | embeddings [10, 4] | 4 + 6 * (16 + 4) = 124 | 372 | 160 | 240 |
+  | kernel [8, 1] | 32 | 48 | 32 | 48 |
+  | bias [1] | 4 | 6 | 4 | 6 |
+  | total | 160 | 426 | 196 | 294 |
+
+  The embedding's gradient is IndexedSlices of 6 rows (3 examples x 2 ids,
+  duplicates kept): a 4-byte row count, 6 rows of 4 float32 values and 6
+  int32 row ids.
+  """
+
+  REPLICAS, PER_REPLICA = 4, 3
+  STOCK = {40: (124, 372), 8: (32, 48), 1: (4, 6)}      # size: payload, ring
+  DENSIFIED = {40: (160, 240), 8: (32, 48), 1: (4, 6)}
+
+  def test_indexed_slices_payload(self):
+    self.assertEqual(accounting.indexed_slices_payload(6, 16, 4), 124)
+    # TF pads values and row ids to the largest count over the replicas.
+    self.assertEqual(accounting.indexed_slices_payload(6, 16, 4, max_rows=9),
+                     4 + 9 * 20)
+    got = accounting.indexed_slices_payload(tf.constant(6), 16, 8)
+    self.assertEqual(got.dtype, tf.float64)
+    self.assertEqual(float(got), 4 + 6 * 24)
+
+  def _train(self, compressor, steps=2):
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(self.REPLICAS)],
+                             input_replication=tf_dct.PER_REPLICA)
+    with repl.scope():
+      model = tf_keras.Sequential([
+          tf_keras.Input((2,), dtype=tf.int32),
+          tf_keras.layers.Embedding(10, 4), tf_keras.layers.Flatten(),
+          tf_keras.layers.Dense(1)])
+      opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(0.1),
+                                compression=compressor)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 10, size=(steps * self.PER_REPLICA, 2), dtype=np.int32)
+    ids[0] = [3, 3]  # a duplicate id is a row of its own
+    y = rng.normal(size=(steps * self.PER_REPLICA, 1)).astype(np.float32)
+
+    def input_fn(replica_id):
+      del replica_id
+      return tf.data.Dataset.from_tensor_slices((ids, y)).batch(
+          self.PER_REPLICA, drop_remainder=True)
+
+    def step_fn(batch):
+      x, target = batch
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(model(x) - target))
+      grads = tape.gradient(loss, model.trainable_variables)
+      opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    for _ in range(steps):
+      repl.run(step_fn, input_fn)
+    return opt.communication_stats()
+
+  def _assert_baselines(self, stats, steps):
+    n = self.REPLICAS
+    by_size = {v["size"]: v for v in stats["variables"].values()}
+    self.assertEqual(sorted(by_size), [1, 8, 40])
+    for size, var in by_size.items():
+      for figures, (payload, ring) in (
+          (("stock_payload_bytes", "stock_bytes"), self.STOCK[size]),
+          (("dense_payload_bytes", "dense_bytes"), self.DENSIFIED[size])):
+        self.assertEqual(var["last"][figures[0]], [payload] * n, msg=size)
+        self.assertEqual(var["last"][figures[1]], [ring] * n, msg=size)
+        self.assertEqual(var["total"][figures[1]], [steps * ring] * n, msg=size)
+    for key, want in (("stock_payload_bytes", 160), ("stock_bytes", 426),
+                      ("dense_payload_bytes", 196), ("dense_bytes", 294)):
+      self.assertEqual(stats["last"][key], [want] * n, msg=key)
+      self.assertEqual(stats["total"][key], [steps * want] * n, msg=key)
+
+  def test_dense_sends_exactly_the_stock_baseline(self):
+    stats = self._train(None)
+    self._assert_baselines(stats, 2)
+    self.assertEqual(stats["last"]["bytes_sent"], [426] * self.REPLICAS)
+    self.assertEqual(stats["last"]["bytes_received"], [426] * self.REPLICAS)
+    self.assertEqual(stats["last"]["payload_bytes"], [160] * self.REPLICAS)
+
+  def test_compressor_is_priced_against_the_incoming_gradient(self):
+    # DCT-DP compresses the table (and densifies the 1-entry bias below
+    # min_size); the baselines still price the gradients it was handed.
+    stats = self._train(DCTDP(sparsity=0.9, threshold_life=2, min_size=2))
+    self._assert_baselines(stats, 2)
+    table = next(v for v in stats["variables"].values() if v["size"] == 40)
+    self.assertLess(table["last"]["payload_bytes"][0], 124)
+
+  def test_dynamic_row_count(self):
+    # Ids of unknown count (boolean_mask) give IndexedSlices of a dynamic
+    # number of rows: 5 int64 row ids -> P = 4 + 5 * (16 + 8) = 124.
+    n = 2
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(n)])
+    compressor = Dense()
+    compressor.bind(repl)
+    with repl.scope():
+      table = tf.Variable(tf.zeros([10, 4]), name="table")
+
+    @tf.function
+    def step():
+      def step_fn():
+        keep = tf.logical_and(tf.constant([True] * 5 + [False]),
+                              tf.reduce_sum(table) >= 0)  # known at run time
+        ids = tf.boolean_mask(tf.constant([1, 4, 4, 7, 9, 2], tf.int64), keep)
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_sum(tf.gather(table, ids))
+        grad = tape.gradient(loss, table)
+        self.assertIsInstance(grad, tf.IndexedSlices)
+        self.assertIsNone(grad.indices.shape[0])
+        return tf.convert_to_tensor(compressor.aggregate([(grad, table)])[0][0])
+      return repl.run(step_fn)
+
+    out = repl.experimental_local_results(step())
+    self.assertEqual(float(tf.reduce_sum(out[0])), n * 5 * 4)
+    stats = compressor.communication_stats()["last"]
+    for key in ("stock_payload_bytes", "payload_bytes"):
+      self.assertEqual(stats[key], [124.0] * n, msg=key)
+    for key in ("stock_bytes", "bytes_sent", "bytes_received"):
+      self.assertEqual(stats[key], [(n - 1) * 124.0] * n, msg=key)
+    self.assertEqual(stats["dense_bytes"], [160.0] * n)
 
 
 def _var(compressor, name):

@@ -76,9 +76,12 @@ class ExcludeTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllEqual(w_out, w_alone, msg=f"step {t} replica {r}")
     self.assertEqual(with_exclude.state_for(table), {})
     stats = with_exclude.communication_stats()["variables"]["table"]
-    # All-gathered, not densified: K rows of WIDTH floats plus K int32 ids.
+    # All-gathered, not densified, as stock TF sends it: the row count, K
+    # rows of WIDTH floats and K int32 ids.
     self.assertEqual(stats["last"]["payload_bytes"],
-                     [K * WIDTH * 4 + K * 4] * REPLICAS)
+                     [4 + K * WIDTH * 4 + K * 4] * REPLICAS)
+    self.assertEqual(stats["last"]["stock_payload_bytes"],
+                     stats["last"]["payload_bytes"])
     self.assertNotIn("counters", stats)
 
   @parameterized.named_parameters(

@@ -8,6 +8,7 @@ import tempfile
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
+import keras
 import tf_keras
 
 import tf_dct
@@ -20,15 +21,8 @@ def setUpModule():
   util.setup_cpus()
 
 
-SHAPES = [(6, 5), (17,)]
+SHAPES = harness.SHAPES
 MOMENTUM = 0.9
-
-
-def _continuous_gradients(steps, replicas, seed=0, shapes=SHAPES):
-  """grads[t][r][v] without ties, so every selection rule agrees on top-k."""
-  rng = np.random.default_rng(seed)
-  return [[[rng.normal(size=s).astype(np.float32) for s in shapes]
-           for _ in range(replicas)] for _ in range(steps)]
 
 
 def dgc_topk_reference(grads, k, momentum, masking=True):
@@ -88,7 +82,7 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
             min_count=0, native=False, momentum=MOMENTUM,
             momentum_masking=masking),
     }[kind]
-    grads = _continuous_gradients(6, replicas, seed=replicas)
+    grads = harness.continuous_gradients(6, replicas, seed=replicas)
     _, _, _, history = _run(make(), grads, replicas)
     for v, shape in enumerate(SHAPES):
       k = {30: 6, 17: 4}[int(np.prod(shape))]
@@ -119,7 +113,7 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
     # Error feedback now conserves u: sum of updates + sum_r E == sum of
     # the velocities fed in, u_t = m * (u_{t-1} masked) + g_t.
     replicas, steps = 2, 7
-    grads = _continuous_gradients(steps, replicas, seed=5)
+    grads = harness.continuous_gradients(steps, replicas, seed=5)
     compressor = make()
     _, _, _, history = _run(compressor, grads, replicas)
     for v, shape in enumerate(SHAPES):
@@ -150,13 +144,15 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
 class KerasTest(tf.test.TestCase, parameterized.TestCase):
   """Through `wrap_optimizer` with a tf-keras momentum SGD."""
 
-  def _train(self, compressor, optimizer, steps=5, replicas=2, ckpt=None):
+  def _train(self, compressor, optimizer, steps=5, replicas=2, ckpt=None,
+             k=tf_keras):
     repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
     with repl.scope():
-      tf_keras.utils.set_random_seed(0)
-      model = tf_keras.Sequential([tf_keras.Input((4,)),
-                                   tf_keras.layers.Dense(6, activation="tanh"),
-                                   tf_keras.layers.Dense(1)])
+      k.utils.set_random_seed(0)
+      model = k.Sequential([k.Input((4,)), k.layers.Dense(6, activation="tanh"),
+                            k.layers.Dense(1)])
+      if callable(optimizer):  # Keras 3 optimizers must be made in the scope
+        optimizer = optimizer()
       opt = repl.wrap_optimizer(optimizer, compression=compressor)
     opt.build(model.trainable_variables)
     rng = np.random.default_rng(1)
@@ -179,19 +175,25 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
       weights.append([w.numpy() for w in model.trainable_variables])
     return repl, model, opt, weights
 
-  def test_takes_momentum_from_sgd_and_equals_dense_when_nothing_is_held_back(self):
+  @parameterized.named_parameters(("tf_keras", tf_keras), ("keras3", keras))
+  def test_takes_momentum_from_sgd_and_equals_dense_when_nothing_is_held_back(
+      self, k):
     # density 1 sends everything: momentum correction without masking is
     # then exactly momentum SGD. The bias is excluded: it keeps the
     # optimizer's own momentum.
     comp = compression.TopK(1.0, exclude=("bias",))
     _, model, opt, ours = self._train(
-        comp, tf_keras.optimizers.SGD(0.1, momentum=MOMENTUM))
+        comp, lambda: k.optimizers.SGD(0.1, momentum=MOMENTUM), k=k)
     self.assertEqual(comp.momentum, MOMENTUM)
-    kernels = [v for v in model.trainable_variables if "kernel" in v.name]
-    biases = [v for v in model.trainable_variables if "bias" in v.name]
+    backing = [getattr(v, "value", v) if k is keras else v
+               for v in model.trainable_variables]
+    kernels = [v for v in backing if "kernel" in v.name]
+    biases = [v for v in backing if "bias" in v.name]
+    self.assertLen(kernels, 2)
     self.assertTrue(all(comp.corrects_momentum(v) for v in kernels))
     self.assertFalse(any(comp.corrects_momentum(v) for v in biases))
-    _, _, _, dense = self._train(None, tf_keras.optimizers.SGD(0.1, momentum=MOMENTUM))
+    _, _, _, dense = self._train(
+        None, lambda: k.optimizers.SGD(0.1, momentum=MOMENTUM), k=k)
     for a, b in zip(ours, dense):
       for wa, wb in zip(a, b):
         self.assertAllClose(wa, wb, atol=1e-6, rtol=1e-5)
@@ -240,8 +242,8 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
       for cls in (compression.DCTDP, compression.TopK, compression.DEFT):
         with self.assertRaisesRegex(ValueError, f"{cls.__name__}: {pattern}"):
           cls(**kwargs)
-    with self.assertRaisesRegex(ValueError, r"DCTDP: momentum=0.9 .* needs a "
-                                r"tf-keras SGD optimizer"):
+    with self.assertRaisesRegex(ValueError, r"DCTDP: momentum=0.9 .* needs an "
+                                r"SGD optimizer"):
       self._train(compression.DCTDP(momentum=0.9), tf_keras.optimizers.Adam(),
                   steps=1)
     with self.assertRaisesRegex(ValueError, r"SGD optimizer has momentum=0.5"):

@@ -138,7 +138,7 @@ class OptimizerFlagTest(parameterized.TestCase, tf.test.TestCase):
 
 
 class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
-  """--min_count and --momentum_correction (dct, deft, topk)."""
+  """--min_count, --momentum_correction and --adam_correction (dct, deft, topk)."""
 
   @parameterized.parameters(*train.SPARSIFIERS)
   def test_min_count_reaches_the_compressor(self, compression):
@@ -164,7 +164,39 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
       comp = train.make_compressor(_cfg(optimizer=optimizer, **base))
       self.assertFalse(comp.momentum, optimizer)
 
+  @parameterized.parameters(*train.SPARSIFIERS)
+  def test_adam_correction_reaches_the_compressor(self, compression):
+    base = dict(model="mlp", config="local", compression=compression)
+    for optimizer in ("adam", "adamw"):
+      # The compressor's default: None (wrap_optimizer turns it on with the
+      # optimizer's betas) for dct, False for deft and topk.
+      comp = train.make_compressor(_cfg(optimizer=optimizer, **base))
+      self.assertIs(comp.adam, None if compression == "dct" else False)
+      comp = train.make_compressor(_cfg(optimizer=optimizer, adam_correction=False,
+                                        **base))
+      self.assertIs(comp.adam, False)
+      comp = train.make_compressor(_cfg(optimizer=optimizer, adam_correction=True,
+                                        **base))
+      self.assertIsNone(comp.adam)
+
+  def test_adam_run_with_correction(self):
+    cfg = _cfg(model="mlp", config="local", compression="dct", optimizer="adam",
+               num_replicas=2, num_devices_per_replica=2)
+    job = train.Job(cfg).setup()
+    self.assertTrue(all(job.compressor.corrects_optimizer(v)
+                        for v in job.model.trainable_variables))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      s = job.run()
+    self.assertIn("Adam correction)", out.getvalue())
+    self.assertTrue(all(math.isfinite(l) for l in s["losses"]), s["losses"])
+    self.assertLess(s["final_loss_mean"], s["first_loss_mean"], s["losses"])
+
   def test_bad_values_name_the_flag(self):
+    with self.assertRaisesRegex(train.FlagError, r"^--adam_correction applies to "
+                                r"--optimizer=adam/adamw with --compression=dct/deft/topk; "
+                                r"this run has --optimizer=momentum --compression=dct$"):
+      _cfg(model="mlp", optimizer="momentum", adam_correction=False)
     with self.assertRaisesRegex(train.FlagError, r"^--min_count must be >= 0, got -1$"):
       _cfg(model="mlp", compression="topk", min_count=-1)
     for comp in ("none", "cltk", "threshold"):

@@ -5,6 +5,8 @@ every run does double duty: each model runs once, each with a different
 --compression value, and DLRM's run is also the checkpoint-restart test.
 """
 
+import contextlib
+import io
 import os
 import subprocess
 
@@ -84,6 +86,10 @@ class DlrmRestartTest(tf.test.TestCase):
     self.assertIn("auc", first["eval"])
     comm = first["communication"]
     self.assertGreater(comm["dense_bytes"], 2 * comm["bytes_sent"])
+    # Stock TF all-gathers the table's looked-up rows instead of the table:
+    # on this small preset more bytes than the densified table.
+    self.assertGreater(comm["stock_bytes"], comm["dense_bytes"])
+    self.assertAllClose(comm["stock_ratio"], comm["stock_bytes"] / comm["bytes_sent"])
     self.assertGreater(first["mp"]["dense_bytes"], first["mp"]["bytes"])
     compressor = job.optimizer._tf_dct_compressor  # pylint: disable=protected-access
     variables = job.model.trainable_variables
@@ -111,6 +117,8 @@ class DlrmRestartTest(tf.test.TestCase):
       for event in tf.compat.v1.train.summary_iterator(os.path.join(model_dir, path)):
         tags.update(v.tag for v in event.summary.value)
     for tag in ("train/loss", "train/steps_per_sec", "eval/auc", "comm/total_bytes_sent",
+                "comm/total_stock_bytes", "comm/stock_ratio", "tf_dct/stock_bytes",
+                "tf_dct/stock_ratio",
                 "comm/density", "tf_dct/bytes_sent", "tf_dct/density",
                 "dct_split_bottom_1/forward_bytes"):
       self.assertIn(tag, tags)
@@ -118,6 +126,63 @@ class DlrmRestartTest(tf.test.TestCase):
     # The accounting state is checkpointed too: its step count continues.
     self.assertEqual(resumed.optimizer.communication_stats()["steps"],
                      [c + 6 for c in counts])
+
+
+class _Stats:
+  """A stand-in optimizer with fixed `communication_stats()`."""
+
+  def __init__(self, stats):
+    self.stats = stats
+
+  def communication_stats(self):
+    return self.stats
+
+
+class CommunicationSummaryTest(tf.test.TestCase):
+  """`Job.communication()` and the summary table, from fixed statistics."""
+
+  # Totals per replica over 2 steps (tests/compression/test_accounting.py's
+  # model: stock 426 B ring / 160 B payload, densified 294 / 196 per step).
+  TOTAL = {"bytes_sent": 200.0, "bytes_received": 200.0, "payload_bytes": 50.0,
+           "stock_bytes": 852.0, "stock_payload_bytes": 320.0,
+           "dense_bytes": 588.0, "dense_payload_bytes": 392.0, "density": 0.25}
+
+  def _job(self):
+    job = train.Job.__new__(train.Job)
+    total = {k: [v, v] for k, v in self.TOTAL.items()}
+    job.optimizer = _Stats({"steps": [2, 2], "total": total,
+                            "last": {"density": [0.5, 0.5]}, "variables": {}})
+    return job
+
+  def test_ratios_vs_stock_tf_and_densified(self):
+    comm = self._job().communication()
+    self.assertEqual(comm["stock_bytes"], 852.0)
+    self.assertEqual(comm["stock_payload_bytes"], 320.0)
+    self.assertAllClose(comm["stock_ratio"], 4.26)
+    self.assertAllClose(comm["stock_payload_ratio"], 6.4)
+    # The densified ratios keep their keys.
+    self.assertAllClose(comm["ratio"], 2.94)
+    self.assertAllClose(comm["payload_ratio"], 7.84)
+
+  def test_table_heads_with_stock_tf(self):
+    cfg = _cfg(model="dlrm", compression="dct")
+    summary = {"model": "dlrm", "config": "local", "loop": "custom", "replicas": 2,
+               "devices_per_replica": 1, "compression": "dct", "mp_splits": [],
+               "steps": 2, "start_step": 0, "first_loss": 0.7, "final_loss": 0.6,
+               "eval": {}, "communication": self._job().communication(), "mp": None,
+               "wall_seconds": 1.0, "steps_per_sec": 2.0}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      train.print_table(summary, cfg)
+    rows = [line.split("|")[1:3] for line in out.getvalue().splitlines()
+            if line.startswith("| ")]
+    rows = [(k.strip(), v.strip()) for k, v in rows]
+    keys = [k for k, _ in rows]
+    self.assertIn(("DP ratio vs stock TF", "4.26x (payload 6.40x)"), rows)
+    self.assertIn(("DP ratio vs densified", "2.9x (payload 7.8x)"), rows)
+    self.assertLess(keys.index("DP ratio vs stock TF"),
+                    keys.index("DP ratio vs densified"))
+    self.assertIn(("stock TF bytes / replica", "0.00 MB"), rows)
 
 
 class ModelsTest(tf.test.TestCase):

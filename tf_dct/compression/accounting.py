@@ -6,19 +6,44 @@ Byte model (ring collectives, what each replica moves per step):
   receives (n - 1) * P bytes.
 * all-reduce of M bytes: every replica sends and receives 2 (n - 1) / n * M
   bytes (reduce-scatter then all-gather).
-* dense baseline: the ring all-reduce of the gradient as it is (4 bytes per
-  entry for float32), 2 (n - 1) / n * 4N each way.
 
 P counts everything a replica puts into the gather: index words (positions, or
 per-chunk counts and offsets), values, and the padding of unused slots. A
 compressor declares, per variable and step, the bytes it gathers (P) and
 all-reduces (M); the sent / received bytes follow from the model above. With
-one replica nothing moves (0 bytes each way).
+one replica nothing moves (0 bytes each way). Payload bytes are P + M: what
+this replica contributes, as a worker would upload it to a parameter server
+(DCT's production setting).
 
-Payload bytes are P + M: what this replica contributes, as a worker would
-upload it to a parameter server (DCT's production setting); the dense payload
-is the gradient itself (4N for float32). Both ratios, ring and payload, can be
-read from the statistics.
+Two baselines are priced per variable and step, each as payload and as ring
+bytes (sent = received):
+
+* stock (`stock_payload_bytes`, `stock_bytes`): what TensorFlow's own
+  `MultiWorkerMirroredStrategy` moves for the gradient as it reaches the
+  compressor, i.e. what a user without tf-dct runs. TF 2.21
+  (`CollectiveAllReduce._all_reduce` in `cross_device_ops.py`,
+  `CollectiveReplicaLauncher.all_reduce_indexed_slices` in
+  `cross_device_utils.py`) all-reduces dense gradients, packed together:
+  M = 4N for float32. An `IndexedSlices` gradient (an embedding lookup's:
+  one row per looked-up id, duplicates included) is all-gathered instead:
+  first its row count (`tf.shape` of the row ids, one int32: 4 bytes), then,
+  when the counts of all replicas agree, the values and the row ids as they
+  are; otherwise both padded to the largest count. P = 4 + rows * (row
+  values + one row id), the row id in the gradient's index dtype (int32 for
+  tf-keras embeddings of int32 ids, int64 for int64 ids). The largest count
+  is another replica's number, which only a collective could tell; the count
+  priced is this replica's own, so the padding, which TF adds only when
+  counts differ (not with tf-dct's even batch split of fixed-shape inputs),
+  is left out: with unequal counts the figure is low by (largest - own)
+  rows. `indexed_slices_payload` prices a known largest count.
+* densified (`dense_payload_bytes`, `dense_bytes`): the ring all-reduce of
+  every gradient as a dense tensor, IndexedSlices converted to the full
+  table, 4N and 2 (n - 1) / n * 4N for float32. The DCT paper's baseline;
+  no stock strategy sends an embedding's gradient this way.
+
+A variable a compressor sends as it is (`Compressor.reduce_as_is`) moves
+exactly the stock bytes. Both ratios, ring and payload, against either
+baseline, can be read from the statistics.
 
 Density of a variable is nnz(aggregated update) / N, where nnz counts the
 non-zero entries of the cross-replica sum (N for dense steps by definition);
@@ -58,11 +83,15 @@ from tf_dct import _private
 
 # Additive per-step fields, in the order of the stored vectors.
 FIELDS = ("payload_bytes", "bytes_sent", "bytes_received", "dense_bytes",
-          "dense_payload_bytes", "nnz", "size", "sent", "selection_seconds")
+          "dense_payload_bytes", "nnz", "size", "sent", "selection_seconds",
+          "stock_bytes", "stock_payload_bytes")
 # Rows of the stats matrices: this step, and summed over steps.
 LAST, TOTAL = 0, 1
-_SCALARS = ("bytes_sent", "bytes_received", "payload_bytes", "dense_bytes",
-            "dense_payload_bytes", "selection_seconds")
+_SCALARS = ("bytes_sent", "bytes_received", "payload_bytes", "stock_bytes",
+            "stock_payload_bytes", "dense_bytes", "dense_payload_bytes",
+            "selection_seconds")
+# The row count TF all-gathers before an IndexedSlices (one int32).
+LENGTH_BYTES = 4
 
 
 def all_gather_bytes(payload: float, n: int) -> float:
@@ -73,6 +102,27 @@ def all_gather_bytes(payload: float, n: int) -> float:
 def all_reduce_bytes(size: float, n: int) -> float:
   """Bytes one replica sends (= receives) in a ring all-reduce of `size`."""
   return 2 * (n - 1) / n * size
+
+
+def indexed_slices_payload(rows, row_bytes: int, index_bytes: int,
+                           max_rows=None):
+  """P of stock TF's all-gather of an IndexedSlices gradient (module doc).
+
+  Args:
+    rows: this replica's row count (int, or an integer tensor).
+    row_bytes: bytes of one row of values.
+    index_bytes: bytes of one row id.
+    max_rows: the largest row count over the replicas (default `rows`); TF
+      pads values and row ids to it.
+
+  Returns:
+    LENGTH_BYTES + max_rows * (row_bytes + index_bytes): an int, or a
+    float64 tensor when a count is a tensor.
+  """
+  rows = rows if max_rows is None else max_rows
+  if tf.is_tensor(rows):
+    rows = tf.cast(rows, tf.float64)
+  return LENGTH_BYTES + rows * (row_bytes + index_bytes)
 
 
 @dataclasses.dataclass
@@ -90,6 +140,13 @@ class Record:
     selection_seconds: selection time of this replica, or None.
     counters: name -> per-step amount (int or tensor), accumulated over steps,
       e.g. {"early_refreshes": 1}.
+    sparse_rows: rows of this replica's incoming `tf.IndexedSlices` gradient
+      (int or tensor), or None for a dense gradient; prices the stock
+      baseline (`with_gradient`).
+    row_bytes: bytes of one row of that gradient's values.
+    index_bytes: bytes of one of its row ids.
+    as_stock: the variable was sent as stock TF sends it: the bytes moved
+      are the stock baseline's, and gather / reduce bytes are ignored.
   """
   size: int
   dtype: tf.DType
@@ -100,25 +157,64 @@ class Record:
   threshold: object = None
   selection_seconds: object = None
   counters: Mapping[str, object] = dataclasses.field(default_factory=dict)
+  sparse_rows: object = None
+  row_bytes: int = 0
+  index_bytes: int = 0
+  as_stock: bool = False
 
   def static_vector(self, num_replicas: int) -> np.ndarray:
     """float64[len(FIELDS)] of the static fields under the byte model.
 
-    The fields that may be tensors (nnz, sent, selection_seconds) are 0 here;
-    `dynamic_fields` names them.
+    The fields that may be tensors (nnz, sent, selection_seconds and the
+    stock baseline; `dynamic_fields`) are 0 here.
     """
     n = num_replicas
     moved = (all_gather_bytes(self.gather_bytes, n)
              + all_reduce_bytes(self.reduce_bytes, n))
     dense = self.size * tf.as_dtype(self.dtype).size
     return np.asarray([self.gather_bytes + self.reduce_bytes, moved, moved,
-                       all_reduce_bytes(dense, n), dense, 0, self.size, 0, 0],
-                      np.float64)
+                       all_reduce_bytes(dense, n), dense, 0, self.size, 0, 0,
+                       0, 0], np.float64)
 
-  def dynamic_fields(self) -> dict:
+  def stock(self, num_replicas: int) -> tuple:
+    """(payload, ring bytes each way) of the stock baseline (module doc)."""
+    if self.sparse_rows is None:
+      dense = self.size * tf.as_dtype(self.dtype).size
+      return dense, all_reduce_bytes(dense, num_replicas)
+    payload = indexed_slices_payload(self.sparse_rows, self.row_bytes,
+                                     self.index_bytes)
+    return payload, all_gather_bytes(payload, num_replicas)
+
+  def dynamic_fields(self, num_replicas: int) -> dict:
     """{field: value} of the fields that may be tensors (None counts as 0)."""
     seconds = 0.0 if self.selection_seconds is None else self.selection_seconds
-    return {"nnz": self.nnz, "sent": self.sent, "selection_seconds": seconds}
+    payload, moved = self.stock(num_replicas)
+    out = {"nnz": self.nnz, "sent": self.sent, "selection_seconds": seconds,
+           "stock_bytes": moved, "stock_payload_bytes": payload}
+    if self.as_stock:
+      out.update(payload_bytes=payload, bytes_sent=moved, bytes_received=moved)
+    else:  # the same keys for every record (one column each in `update`)
+      static = self.static_vector(num_replicas)
+      out.update({f: static[FIELDS.index(f)] for f in
+                  ("payload_bytes", "bytes_sent", "bytes_received")})
+    return out
+
+
+def with_gradient(record: Record, grad, variable) -> Record:
+  """`record` priced against `grad`, the gradient as it reached the compressor.
+
+  A `tf.IndexedSlices` gradient prices the stock baseline as TF's all-gather
+  of its rows; anything else as the dense all-reduce.
+  """
+  if not isinstance(grad, tf.IndexedSlices):
+    return record
+  rows = grad.indices.shape.num_elements()
+  if rows is None:
+    rows = tf.size(grad.indices, out_type=tf.int64)
+  width = variable.shape[1:].num_elements()
+  return dataclasses.replace(
+      record, sparse_rows=rows, row_bytes=width * grad.values.dtype.size,
+      index_bytes=grad.indices.dtype.size)
 
 
 def _as_float64_vector(values) -> tf.Tensor:
@@ -233,7 +329,7 @@ class Accounting(tf.Module):
     fields = len(FIELDS)
     static = np.stack([r.static_vector(num_replicas) for r in recs])
     columns = [tf.constant(static[:, i]) for i in range(fields)]
-    dynamic = [r.dynamic_fields() for r in recs]
+    dynamic = [r.dynamic_fields(num_replicas) for r in recs]
     for name in dynamic[0]:
       columns[FIELDS.index(name)] = _as_float64_vector([d[name] for d in dynamic])
     columns.append(_as_float64_vector(
@@ -283,6 +379,11 @@ class Accounting(tf.Module):
     field = {f: i for i, f in enumerate(FIELDS)}
     for name in _SCALARS:
       write_scalar(f"tf_dct/{name}", step_vec[field[name]], step)
+    for name, baseline, moved in (
+        ("stock_ratio", "stock_bytes", "bytes_sent"),
+        ("stock_payload_ratio", "stock_payload_bytes", "payload_bytes")):
+      write_scalar(f"tf_dct/{name}", tf.math.divide_no_nan(
+          step_vec[field[baseline]], step_vec[field[moved]]), step)
     write_scalar("tf_dct/density",
                  step_vec[field["nnz"]] / step_vec[field["size"]], step)
     for key, rec in records.items():

@@ -90,8 +90,8 @@ class AsyncPush:
   Args:
     replicator: the `tf_dct.AsyncReplicator` whose workers push.
     compressor: a `DCTDP` (its sparsity, threshold_life, capacity_factor,
-      min_size, min_count and warmup_steps are used; momentum correction
-      is not offered), or None / `Dense()` for dense
+      min_size, min_count and warmup_steps are used; momentum and Adam
+      correction are not offered), or None / `Dense()` for dense
       pushes of the raw gradient.
     learning_rate: the server-side SGD step (a float > 0).
     drain_every: None (off) or D > 1: drain probability 1/D per step, see the
@@ -109,10 +109,6 @@ class AsyncPush:
                drain_every: float | None = None, variables=None,
                seed: int | None = None, name: str | None = None):
     del name
-    from tf_dct.async_replicator import AsyncReplicator  # pylint: disable=g-import-not-at-top
-    if not isinstance(replicator, AsyncReplicator):
-      raise TypeError("AsyncPush needs a tf_dct.AsyncReplicator, got "
-                      f"{type(replicator).__name__}")
     if compressor is not None and not isinstance(compressor, (dct_dp.DCTDP, Dense)):
       raise TypeError("AsyncPush: compressor must be None, Dense() or a DCTDP, "
                       f"got {type(compressor).__name__}")
@@ -120,6 +116,14 @@ class AsyncPush:
       raise ValueError("AsyncPush: the servers apply plain SGD pushes; "
                        f"momentum correction (momentum={compressor.momentum}) "
                        "is not available here, pass DCTDP(momentum=0)")
+    if isinstance(compressor, dct_dp.DCTDP) and compressor.adam:
+      raise ValueError("AsyncPush: the servers apply plain SGD pushes; Adam "
+                       "correction (adam=True) is not available here, pass "
+                       "DCTDP(adam=False)")
+    from tf_dct.async_replicator import AsyncReplicator  # pylint: disable=g-import-not-at-top
+    if not isinstance(replicator, AsyncReplicator):
+      raise TypeError("AsyncPush needs a tf_dct.AsyncReplicator, got "
+                      f"{type(replicator).__name__}")
     if (isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float))
         or not learning_rate > 0):
       raise ValueError(f"AsyncPush: learning_rate must be a number > 0, got "

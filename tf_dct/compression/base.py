@@ -16,6 +16,7 @@ model), readable with `communication_stats()` and written as summaries.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import re
 import threading
@@ -26,6 +27,7 @@ import tensorflow as tf
 
 from tf_dct import _private
 from tf_dct.compression import accounting
+from tf_dct.compression import adam_correction
 from tf_dct.compression import error_feedback
 from tf_dct.compression import momentum_correction
 
@@ -77,6 +79,12 @@ class Compressor(tf.Module):
     # with an error-feedback residual offer it (`_init_momentum`).
     self.momentum = 0.0
     self.momentum_masking = False
+    # Adam correction (`adam_correction`): False off; None until a Keras
+    # adapter takes (beta_1, beta_2, epsilon) from an Adam optimizer.
+    self.adam = False
+    self.adam_second_moment = "factored"
+    self.adam_select = "normalized"
+    self._adam_hparams = None
 
   def _init_momentum(self, momentum, momentum_masking) -> None:
     """Validates and sets the momentum-correction options (see `corrects_momentum`)."""
@@ -93,6 +101,29 @@ class Compressor(tf.Module):
                        f"{momentum_masking!r}")
     self.momentum = momentum
     self.momentum_masking = momentum_masking
+
+  def _init_adam(self, adam, second_moment, adam_select="normalized") -> None:
+    """Validates and sets the Adam-correction options (see `adam_correction`)."""
+    owner = type(self).__name__
+    if adam is not None and not isinstance(adam, bool):
+      raise ValueError(f"{owner}: adam must be None, True or False, got {adam!r}")
+    if second_moment not in adam_correction.SECOND_MOMENTS:
+      raise ValueError(f"{owner}: adam_second_moment must be one of "
+                       f"{adam_correction.SECOND_MOMENTS}, got {second_moment!r}")
+    if adam_select not in adam_correction.SELECTIONS:
+      raise ValueError(f"{owner}: adam_select must be one of "
+                       f"{adam_correction.SELECTIONS}, got {adam_select!r}")
+    self.adam = adam
+    self.adam_second_moment = second_moment
+    self.adam_select = adam_select
+
+  def set_adam(self, beta_1: float, beta_2: float, epsilon: float) -> None:
+    """Turns Adam correction on with an Adam optimizer's hyper-parameters,
+    before any state exists (the Keras adapters call it)."""
+    if self._keys:
+      raise ValueError(f"{type(self).__name__}: Adam correction must be set "
+                       "before the compressor has state")
+    self._adam_hparams = (float(beta_1), float(beta_2), float(epsilon))
 
   def set_momentum(self, momentum: float) -> None:
     """Sets the momentum of the correction before any state exists (the
@@ -111,6 +142,15 @@ class Compressor(tf.Module):
     if not self.momentum:
       return False
     return "velocity" in self.state_for(variable)
+
+  def corrects_optimizer(self, variable) -> bool:
+    """Whether the optimizer must apply `variable`'s aggregate as plain SGD
+    because the compressor keeps its momentum (`corrects_momentum`) or runs
+    its Adam update (`adam_correction`) itself."""
+    if not (self.momentum or self._adam_hparams):
+      return False
+    state = self.state_for(variable)
+    return "velocity" in state or "adam_m" in state
 
   @property
   def replicator(self):
@@ -170,22 +210,17 @@ class Compressor(tf.Module):
     """One SUM all-reduce of the gradients as they are, with accounting.
 
     A `tf.IndexedSlices` gradient stays sparse: TensorFlow's collectives
-    all-gather its slices (values and row ids), and that is what is
-    recorded, P = bytes of the values + bytes of the row ids of this replica
-    (static shapes; with a dynamic number of slices the dense all-reduce is
-    recorded, an upper bound). A dense gradient is N entries all-reduced.
+    all-gather its slices (row count, values and row ids), and that is what
+    is recorded: the stock baseline of `accounting`. A dense gradient is N
+    entries all-reduced.
     """
     reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
     for grad, var, out in zip(grads, variables, reduced):
       n = var.shape.num_elements()
-      if (isinstance(grad, tf.IndexedSlices) and isinstance(out, tf.IndexedSlices)
-          and grad.values.shape.is_fully_defined()
-          and grad.indices.shape.is_fully_defined()):
-        sent = grad.values.shape.num_elements()
-        payload = (sent * grad.values.dtype.size
-                   + grad.indices.shape.num_elements() * grad.indices.dtype.size)
+      if isinstance(grad, tf.IndexedSlices) and isinstance(out, tf.IndexedSlices):
+        sent = tf.minimum(tf.size(grad.values, out_type=tf.int64), n)
         nnz = tf.minimum(tf.size(out.values, out_type=tf.int64), n)  # upper bound
-        self.record(var, gather_bytes=payload, nnz=nnz, sent=min(sent, n))
+        self.record(var, as_stock=True, nnz=nnz, sent=sent)
       else:  # N entries all-reduced, N non-zero
         self.record_dense(var)
     return reduced
@@ -222,14 +257,16 @@ class Compressor(tf.Module):
 
   def record(self, variable: tf.Variable, *, gather_bytes: int = 0,
              reduce_bytes: int = 0, nnz=None, sent=None, threshold=None,
-             selection_seconds=None, counters=None) -> None:
+             selection_seconds=None, counters=None,
+             as_stock: bool = False) -> None:
     """Reports what this replica did for `variable` in the current step.
 
     Call from `reduce`, at most once per variable and step. Bytes are static
     per replica: `gather_bytes` (P) put into all-gathers, `reduce_bytes` (M)
-    all-reduced. `nnz` (non-zero entries of the aggregated update) and `sent`
-    (entries this replica sent) default to N. Outside `aggregate` it does
-    nothing.
+    all-reduced; `as_stock=True` instead: the gradient went through TF's own
+    collective as it is (the stock baseline's bytes). `nnz` (non-zero
+    entries of the aggregated update) and `sent` (entries this replica sent)
+    default to N. Outside `aggregate` it does nothing.
     """
     records = getattr(self._recording, "records", None)
     if records is None:
@@ -239,7 +276,8 @@ class Compressor(tf.Module):
         size=size, dtype=variable.dtype, gather_bytes=gather_bytes,
         reduce_bytes=reduce_bytes, nnz=size if nnz is None else nnz,
         sent=size if sent is None else sent, threshold=threshold,
-        selection_seconds=selection_seconds, counters=dict(counters or {})))
+        selection_seconds=selection_seconds, counters=dict(counters or {}),
+        as_stock=as_stock))
 
   def communication_stats(self) -> dict:
     """Per-replica communication statistics as plain Python / numpy values.
@@ -254,8 +292,16 @@ class Compressor(tf.Module):
       raise RuntimeError("bind the compressor (replicator.wrap_optimizer) first")
     return self.accounting.to_python(self._replicator)
 
-  def _account(self, ctx, records: dict, results) -> None:
-    """Turns this step's records into statistics, after the collectives."""
+  def _account(self, ctx, records: dict, results, pairs=()) -> None:
+    """Turns this step's records into statistics, after the collectives.
+
+    `pairs`: this replica's incoming (gradient, variable) pairs; their
+    gradients price the stock baseline (`accounting.with_gradient`).
+    """
+    incoming = {v.ref(): g for g, v in pairs}
+    records = {k: (var, accounting.with_gradient(rec, incoming.get(var.ref()),
+                                                 var))
+               for k, (var, rec) in records.items()}
     with self._lock, tf.init_scope():
       for key, (var, rec) in records.items():
         self.accounting.ensure(self, key, var.name.split(":")[0], rec.counters)
@@ -364,6 +410,11 @@ class Compressor(tf.Module):
               state["velocity"] = self.per_replica_state(
                   tf.zeros(var.shape, var.dtype), name=self._state_name(
                       var, "velocity"))
+            if state and self._adam_hparams:  # Adam correction's m, v, t
+              for what, shape in (("adam_m", var.shape), ("adam_v", var.shape),
+                                  ("adam_t", [])):
+                state[what] = self.per_replica_state(
+                    tf.zeros(shape, var.dtype), name=self._state_name(var, what))
             self.state[key] = state
             if self._replicator is not None:  # statistics too, so they restore
               self.accounting.ensure(self, key, var.name.split(":")[0],
@@ -399,6 +450,82 @@ class Compressor(tf.Module):
         u = momentum_correction.masked(u, old_residual,
                                        st["residual"].local().read_value())
       st["velocity"].local().assign(u)
+
+  def _adam_before(self, ctx, grads, variables, states):
+    """Adam correction before `reduce`: one all-reduce of the side channel
+    of every dense corrected gradient, v and t updated, and (normalized
+    selection) the gradient scaled by Adam's step scale. Returns the
+    gradients to compress and {position: (v, t)} for `_adam_after`."""
+    mode = self.adam_second_moment
+    picked = [i for i, st in enumerate(states) if "adam_m" in st
+              and not isinstance(grads[i], tf.IndexedSlices)]
+    if not picked:
+      return list(grads), {}
+    parts = [adam_correction.side_channel(grads[i], variables[i], mode)
+             for i in picked]
+    sizes = [adam_correction.side_channel_size(variables[i], mode)
+             for i in picked]
+    dtype = parts[0].dtype
+    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(
+        [tf.cast(p, dtype) for p in parts], 0))
+    _, beta_2, epsilon = self._adam_hparams
+    out, pending = list(grads), {}
+    for i, piece in zip(picked, tf.split(summed, sizes)):
+      var, st = variables[i], states[i]
+      second = adam_correction.second_moment(
+          tf.cast(piece, var.dtype), var, mode, ctx.num_replicas_in_sync)
+      v, t = adam_correction.second_moment_step(
+          st["adam_v"].local().read_value(), st["adam_t"].local().read_value(),
+          second, beta_2)
+      pending[i] = (v, t)
+      if self.adam_select == "normalized":
+        out[i] = tf.reshape(tf.convert_to_tensor(grads[i]), var.shape) * (
+            adam_correction.scale(v, t, beta_2, epsilon))
+    return out, pending
+
+  def _adam_after(self, results, variables, states, pending) -> list:
+    """Replaces each Adam-corrected aggregate by its Adam direction."""
+    results = list(results)
+    if not self._adam_hparams:
+      return results
+    beta_1, beta_2, epsilon = self._adam_hparams
+    # No state moves before every gradient of the step passed its check.
+    done = error_feedback.gate(results)
+    for i, st in enumerate(states):
+      if "adam_m" not in st or results[i] is None:
+        continue
+      var = variables[i]
+      sent = tf.reshape(tf.convert_to_tensor(results[i]), var.shape)
+      m = st["adam_m"].local().read_value()
+      if i in pending:
+        v, t = pending[i]
+        m, d = adam_correction.first_moment_step(m, t, sent, beta_1)
+        if self.adam_select != "normalized":
+          d = d * adam_correction.scale(v, t, beta_2, epsilon)
+        self._add_reduce_bytes(var, adam_correction.side_channel_size(
+            var, self.adam_second_moment) * var.dtype.size)
+      else:  # sparse rows (embeddings): Adam on the aggregate, as before
+        v, t = adam_correction.second_moment_step(
+            st["adam_v"].local().read_value(), st["adam_t"].local().read_value(),
+            tf.square(sent), beta_2)
+        m, d = adam_correction.first_moment_step(m, t, sent, beta_1)
+        d = d * adam_correction.scale(v, t, beta_2, epsilon)
+      with tf.control_dependencies(done):
+        writes = [st["adam_m"].local().assign(m),
+                  st["adam_v"].local().assign(v),
+                  st["adam_t"].local().assign(t)]
+      with tf.control_dependencies(writes):
+        results[i] = tf.identity(d)
+    return results
+
+  def _add_reduce_bytes(self, variable, extra: int) -> None:
+    records = getattr(self._recording, "records", None)
+    key = self._keys.get(variable.ref())
+    if records is None or key not in records:
+      return
+    var, rec = records[key]
+    records[key] = (var, dataclasses.replace(
+        rec, reduce_bytes=rec.reduce_bytes + extra))
 
   def _snapshot(self, grads, states):
     """Under XLA: this replica's finiteness flag and its state before the step.
@@ -466,9 +593,12 @@ class Compressor(tf.Module):
               and self._snapshot(kept_grads, kept_states))
       kept_grads, pending = self._correct_momentum(kept_grads, kept_vars,
                                                    kept_states)
+      kept_grads, adam_pending = self._adam_before(ctx, kept_grads, kept_vars,
+                                                   kept_states)
       out_kept = (self.reduce(ctx, kept_grads, kept_vars, kept_states)
                   if kept else [])
       self._mask_velocities(pending)
+      out_kept = self._adam_after(out_kept, kept_vars, kept_states, adam_pending)
       if undo:
         out_kept = self._undo_if_non_finite(ctx, undo, out_kept)
       out_kept = iter(out_kept)
@@ -480,7 +610,7 @@ class Compressor(tf.Module):
     finally:
       self._recording.records = None
     if records and self._replicator is not None:
-      self._account(ctx, records, reduced)
+      self._account(ctx, records, reduced, pairs)
     reduced = iter(reduced)
     return [(None, v) if g is None else (next(reduced), v)
             for g, v in grads_and_vars]

@@ -251,11 +251,24 @@ class DCTDP(Compressor):
       keeps the velocity u = momentum * u + g of its gradients and feeds it
       to error feedback; the optimizer must then be plain SGD for the
       corrected variables. None (default): taken from a momentum SGD
-      optimizer by `wrap_optimizer` (tf-keras), else 0; 0: off.
+      optimizer by `wrap_optimizer` (tf-keras or Keras 3), else 0; 0: off.
     momentum_masking: zero a replica's velocity where it sent an entry
       (DGC's momentum factor masking). Off by default: in our runs it
       made the start of training lag (docs/quality.md); without it the
       correction is exactly momentum SGD when nothing is held back.
+    adam: Adam correction (`adam_correction`): the compressor runs Adam
+      itself, with a second moment that sees every step's gradient through
+      a small dense side channel and a selection on Adam-scaled gradients;
+      the optimizer applies the corrected variables as plain SGD. None
+      (default): on with an Adam or AdamW optimizer without amsgrad
+      (tf-keras or Keras 3, `wrap_optimizer`), else off; False: off; True:
+      required.
+    adam_second_moment: "factored" (default; row and column sums of the
+      squared gradient, rows + columns floats per matrix) or "exact" (a
+      dense all-reduce; for measurements).
+    adam_select: "normalized" (default: error feedback and selection on the
+      Adam-scaled gradient) or "raw" (on the gradient, the scale applied
+      after the exchange).
 
   See the module docstring for the exact conventions.
   """
@@ -266,7 +279,9 @@ class DCTDP(Compressor):
                density_band: tuple[float, float] | None = (0.5, 2.0),
                index_encoding: str = "auto", exclude: Sequence[str] = (),
                native: bool | None = None, min_count: int = 8,
-               momentum: float | None = None, momentum_masking: bool = False):
+               momentum: float | None = None, momentum_masking: bool = False,
+               adam: bool | None = None, adam_second_moment: str = "factored",
+               adam_select: str = "normalized"):
     super().__init__(name=name, exclude=exclude)
     self.sparsity = float(_check("sparsity", sparsity, numbers.Real, 0, True,
                                  1, True))
@@ -281,6 +296,7 @@ class DCTDP(Compressor):
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     self._init_momentum(momentum, momentum_masking)
+    self._init_adam(adam, adam_second_moment, adam_select)
     if index_encoding != "auto" and index_encoding not in sparse_wire.ENCODINGS:
       raise ValueError(f"DCTDP: index_encoding must be 'auto' or one of "
                        f"{sparse_wire.ENCODINGS}, got {index_encoding!r}")

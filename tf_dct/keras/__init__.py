@@ -9,7 +9,8 @@ mixins also add `communication_stats()`, a passthrough to the compressor,
 and extend `build(variables)` to create the compressor's state as well (and
 to create the optimizer's slots in the replicator's scope, wherever `build`
 is called). The tf-keras mixin also applies plain SGD to the variables whose
-momentum the compressor keeps itself (`Compressor.corrects_momentum`).
+momentum or Adam update the compressor runs itself
+(`Compressor.corrects_optimizer`).
 """
 
 from __future__ import annotations
@@ -68,39 +69,81 @@ def _sgd_momentum(optimizer):
   return float(optimizer.momentum), bool(getattr(optimizer, "nesterov", False))
 
 
-def _resolve_momentum(optimizer, compressor: Compressor, tf_keras: bool) -> None:
+def _resolve_momentum(optimizer, compressor: Compressor) -> None:
   """Settles the compressor's momentum correction for this optimizer.
 
   `momentum=None` (the default of the sparsifying compressors) takes a
-  tf-keras momentum SGD's momentum, so its corrected variables are applied
-  as plain SGD (`tf_keras_optimizer.AggregateWithCompressor.update_step`);
-  with any other optimizer it becomes 0. An explicit momentum > 0 needs a
-  tf-keras SGD whose own momentum is 0 or the same value.
+  momentum SGD's momentum (tf-keras or Keras 3, without nesterov), so its
+  corrected variables are applied as plain SGD (the adapters'
+  `update_step`); with any other optimizer it becomes 0. An explicit
+  momentum > 0 needs an SGD whose own momentum is 0 or the same value.
   """
   owner = type(compressor).__name__
   sgd = _sgd_momentum(optimizer)
   wanted = compressor.momentum
   if wanted is None:
-    usable = tf_keras and sgd is not None and sgd[0] > 0 and not sgd[1]
+    usable = sgd is not None and sgd[0] > 0 and not sgd[1]
     if sgd is not None and sgd[0] > 0 and not usable:
       logging.warning(
-          "%s: momentum correction is off for %s (it needs a tf-keras SGD "
-          "without nesterov); sparsified momentum SGD may train worse than "
-          "dense", owner, type(optimizer).__module__)
+          "%s: momentum correction is off for %s (it needs an SGD without "
+          "nesterov); sparsified momentum SGD may train worse than dense",
+          owner, type(optimizer).__module__)
     compressor.set_momentum(sgd[0] if usable else 0.0)
     return
   if not wanted:
     return
-  if not tf_keras or sgd is None:
+  if sgd is None:
     raise ValueError(
-        f"{owner}: momentum={wanted} (momentum correction) needs a tf-keras "
-        f"SGD optimizer, got {type(optimizer).__module__}."
+        f"{owner}: momentum={wanted} (momentum correction) needs an SGD "
+        f"optimizer, got {type(optimizer).__module__}."
         f"{type(optimizer).__name__}; pass momentum=0 or None")
   if sgd[1] or sgd[0] not in (0.0, wanted):
     raise ValueError(
         f"{owner}: momentum={wanted} but the SGD optimizer has momentum="
         f"{sgd[0]}, nesterov={sgd[1]}; use an SGD with momentum 0 or "
         f"{wanted} and nesterov=False")
+
+
+def _adam_hparams(optimizer):
+  """(beta_1, beta_2, epsilon) of an Adam or AdamW optimizer without
+  amsgrad, else None."""
+  if type(optimizer).__name__ not in ("Adam", "AdamW"):
+    return None
+  if getattr(optimizer, "amsgrad", False):
+    return None
+  try:
+    return tuple(float(getattr(optimizer, name))
+                 for name in ("beta_1", "beta_2", "epsilon"))
+  except (TypeError, ValueError, AttributeError):  # e.g. a callable beta
+    return None
+
+
+def _resolve_adam(optimizer, compressor: Compressor) -> None:
+  """Settles the compressor's Adam correction for this optimizer.
+
+  `adam=None` (the default of DCTDP, TopK and DEFT) turns it on with an Adam
+  or AdamW optimizer without amsgrad (tf-keras or Keras 3): the compressor
+  then runs Adam itself (`tf_dct.compression.adam_correction`) and the
+  optimizer applies the corrected variables as plain SGD. `adam=True`
+  requires such an optimizer.
+  """
+  if compressor.adam is False:
+    return
+  hparams = _adam_hparams(optimizer)
+  if hparams is not None:
+    compressor.set_adam(*hparams)
+    return
+  owner = type(compressor).__name__
+  name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+  if compressor.adam:
+    raise ValueError(
+        f"{owner}: adam=True (Adam correction) needs an Adam or AdamW "
+        f"optimizer without amsgrad, got {name}; pass adam=None or False")
+  if type(optimizer).__name__ in ("Adam", "AdamW"):
+    logging.warning(
+        "%s: Adam correction is off for %s (amsgrad, or a hyper-parameter "
+        "that is not a number); sparsified Adam may train worse than dense",
+        owner, name)
 
 
 def wrap_optimizer(optimizer, compressor: Compressor, replicator):
@@ -120,8 +163,8 @@ def wrap_optimizer(optimizer, compressor: Compressor, replicator):
         "optimizer must be a tf-keras (tf_keras.optimizers.Optimizer, not the "
         "legacy OptimizerV2) or Keras 3 optimizer, got "
         f"{type(optimizer).__module__}.{type(optimizer).__name__}")
-  _resolve_momentum(optimizer, compressor,
-                    mixin is tf_keras_optimizer.AggregateWithCompressor)
+  _resolve_momentum(optimizer, compressor)
+  _resolve_adam(optimizer, compressor)
   compressor.bind(replicator)
   _swap_class(optimizer, mixin)
   optimizer._tf_dct_compressor = compressor  # tracked: per-replica state is checkpointed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 from tf_dct import _private
 from tf_dct import keras as keras_adapters
 
@@ -15,15 +17,31 @@ def accepts(optimizer) -> bool:
 
 
 class AggregateWithCompressor:
-  """Mixin placed before a Keras 3 (TF backend) optimizer class."""
+  """Mixin placed before a Keras 3 (TF backend) optimizer class.
+
+  As in the tf-keras adapter, the variables whose momentum or Adam update
+  the compressor runs itself (`Compressor.corrects_optimizer`) are applied
+  as plain SGD.
+  """
 
   def build(self, variables):
     with keras_adapters.in_replicator_scope(self._tf_dct_compressor.replicator):
       super().build(variables)
     import keras  # pylint: disable=g-import-not-at-top
     # The aggregation sees the backing tf.Variables (`_backend_update_step`).
-    self._tf_dct_compressor.create_states(
-        [v.value if isinstance(v, keras.Variable) else v for v in variables])
+    backing = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    compressor = self._tf_dct_compressor
+    compressor.create_states(backing)
+    self._tf_dct_plain = {_private.keras3_var_key(self, v) for v in backing
+                          if compressor.corrects_optimizer(v)}
+
+  def update_step(self, gradient, variable, learning_rate):
+    if _private.keras3_var_key(self, variable) in getattr(
+        self, "_tf_dct_plain", ()):
+      lr = tf.cast(learning_rate, variable.dtype)
+      variable.assign_sub(lr * tf.convert_to_tensor(gradient))
+      return
+    super().update_step(gradient, variable, learning_rate)
 
   def _all_reduce_sum_gradients(self, grads_and_vars):
     return self._tf_dct_compressor.aggregate(grads_and_vars)

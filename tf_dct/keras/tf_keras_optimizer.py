@@ -19,10 +19,10 @@ def accepts(optimizer) -> bool:
 class AggregateWithCompressor:
   """Mixin placed before a tf-keras optimizer class.
 
-  With momentum correction (`Compressor.corrects_momentum`) the compressor
-  keeps the momentum of a variable's gradients itself, so a momentum SGD
-  optimizer applies that variable's aggregate as plain SGD; every other
-  variable keeps the optimizer's own update.
+  With momentum or Adam correction (`Compressor.corrects_optimizer`) the
+  compressor runs the optimizer's momentum or Adam update of a variable
+  itself, so the optimizer applies what the compressor returns as plain SGD;
+  every other variable keeps the optimizer's own update.
   """
 
   def build(self, var_list):
@@ -31,7 +31,7 @@ class AggregateWithCompressor:
     compressor = self._tf_dct_compressor
     compressor.create_states(var_list)
     self._tf_dct_plain = {_private.tf_keras_var_key(self, v) for v in var_list
-                          if compressor.corrects_momentum(v)}
+                          if compressor.corrects_optimizer(v)}
 
   def update_step(self, gradient, variable):
     if _private.tf_keras_var_key(self, variable) in getattr(

@@ -1,0 +1,324 @@
+"""Adam correction in the sparsifying compressors and the tf-keras adapter."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+import keras
+import tf_keras
+
+import tf_dct
+from tf_dct import compression
+from tests import util
+from tests.compression import harness
+
+
+def setUpModule():
+  util.setup_cpus()
+
+
+SHAPES = harness.SHAPES
+BETAS = (0.9, 0.999, 1e-7)
+
+
+def second_moment_reference(per_replica, shape, mode):
+  """V from the replicas' gradients of one variable, as the module states."""
+  grads = [np.asarray(g, np.float64).reshape(shape) for g in per_replica]
+  if mode == "exact":
+    return np.square(sum(grads))
+  p = len(grads)
+  squares = sum(np.square(g) for g in grads) * p     # P * sum_r g_r^2
+  if len(shape) < 2:
+    return squares
+  mat = squares.reshape(-1, shape[-1])
+  rows, cols = mat.sum(axis=1), mat.sum(axis=0)
+  return (np.outer(rows, cols) / rows.sum()).reshape(shape)
+
+
+def adam_topk_reference(grads, k, mode, select, betas=BETAS):
+  """Adam correction around top-k error feedback; grads[t][r] of one
+  variable (no ties). select "normalized": each replica's gradient is scaled
+  by Adam's step scale before error feedback and m averages what was sent;
+  "raw": error feedback on the gradient, Adam's scale after m.
+
+  Returns per step (direction, residuals, m, v).
+  """
+  beta_1, beta_2, eps = betas
+  replicas = len(grads[0])
+  shape = np.asarray(grads[0][0]).shape
+  n = int(np.prod(shape))
+  e = [np.zeros(n, np.float64) for _ in range(replicas)]
+  m, v = np.zeros(n), np.zeros(n)
+  out = []
+  for t, step in enumerate(grads, start=1):
+    second = second_moment_reference(step, shape, mode).reshape(-1)
+    v = beta_2 * v + (1 - beta_2) * second
+    scale = np.sqrt(1 - beta_2**t) / (np.sqrt(v) + eps)
+    update = np.zeros(n)
+    for r in range(replicas):
+      g = np.asarray(step[r], np.float64).reshape(-1)
+      acc = (g * scale if select == "normalized" else g) + e[r]
+      mask = np.zeros(n, bool)
+      mask[np.argsort(-np.abs(acc), kind="stable")[:k]] = True
+      update += np.where(mask, acc, 0)
+      e[r] = np.where(mask, 0, acc)
+    m = beta_1 * m + (1 - beta_1) * update
+    d = m / (1 - beta_1**t)
+    if select == "raw":
+      d = d * scale
+    out.append((d.reshape(shape), [x.reshape(shape) for x in e],
+                m.reshape(shape), v.reshape(shape)))
+  return out
+
+
+def _with_adam(compressor, betas=BETAS):
+  compressor.set_adam(*betas)  # what wrap_optimizer does with an Adam
+  return compressor
+
+
+class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("topk_factored", "topk", "factored", "normalized", 2),
+      ("topk_exact_raw", "topk", "exact", "raw", 2),
+      ("topk_factored_raw", "topk", "factored", "raw", 2),
+      ("dct_dp_native", "dct_native", "factored", "normalized", 2),
+      ("dct_dp_stock", "dct_stock", "factored", "normalized", 4),
+  )
+  def test_matches_numpy_reference(self, kind, mode, select, replicas):
+    # density 0.2 of 30 / 17 entries: k = 6 / 4 (no floor), the same top-k
+    # for TopK and for DCT-DP refreshing tau every step (L = 1).
+    make = {
+        "topk": lambda: compression.TopK(0.2, min_count=0, adam=True,
+                                         adam_second_moment=mode,
+                                         adam_select=select),
+        "dct_native": lambda: compression.DCTDP(
+            0.8, threshold_life=1, capacity_factor=1.0, density_band=None,
+            min_count=0, adam=True, adam_second_moment=mode,
+            adam_select=select),
+        "dct_stock": lambda: compression.DCTDP(
+            0.8, threshold_life=1, capacity_factor=1.0, density_band=None,
+            min_count=0, native=False, adam=True, adam_second_moment=mode,
+            adam_select=select),
+    }[kind]
+    grads = harness.continuous_gradients(6, replicas, seed=replicas)
+    _, _, _, history = harness.run(_with_adam(make()), grads, replicas)
+    for v, shape in enumerate(SHAPES):
+      k = {30: 6, 17: 4}[int(np.prod(shape))]
+      ref = adam_topk_reference([[g[v] for g in step] for step in grads], k,
+                                mode, select)
+      for t, ((d, residuals, m, second), (out, states)) in enumerate(
+          zip(ref, history)):
+        where = f"var {v} step {t}"
+        for r in range(replicas):
+          self.assertAllClose(out[r][v], d, atol=1e-5, rtol=1e-4,
+                              msg=f"direction {where}")
+          self.assertAllClose(states[v]["residual"][r], residuals[r],
+                              atol=1e-5, rtol=1e-5, msg=f"residual {where}")
+          self.assertAllClose(states[v]["adam_m"][r], m, atol=1e-6, rtol=1e-5)
+          self.assertAllClose(states[v]["adam_v"][r], second, atol=1e-6,
+                              rtol=1e-5)
+          self.assertEqual(states[v]["adam_t"][r], t + 1)
+
+  @parameterized.named_parameters(
+      ("dct_dp", lambda: compression.DCTDP(0.9, threshold_life=3, adam=True)),
+      ("topk", lambda: compression.TopK(0.1, adam=True)),
+      ("deft", lambda: compression.DEFT(0.1, adam=True)),
+  )
+  def test_error_feedback_conserves_the_scaled_gradient(self, make):
+    # Error feedback works on q = g * scale_t (normalized selection):
+    # sum of what was sent + sum_r E equals the sum of the q fed in. m is a
+    # linear filter of what was sent, m_t = b1 m_{t-1} + (1 - b1) sent_t, so
+    # the m and v in the state after each step give back both sides.
+    replicas, steps = 2, 7
+    beta_1, beta_2, eps = BETAS
+    grads = harness.continuous_gradients(steps, replicas, seed=5)
+    compressor = _with_adam(make())
+    _, _, variables, history = harness.run(compressor, grads, replicas)
+    for v, shape in enumerate(SHAPES):
+      fed = np.zeros(shape)
+      for t, (step, (_, states)) in enumerate(zip(grads, history), start=1):
+        scale = np.sqrt(1 - beta_2**t) / (
+            np.sqrt(states[v]["adam_v"][0].astype(np.float64)) + eps)
+        fed += sum(np.asarray(g[v], np.float64) for g in step) * scale
+      ms = [np.zeros(shape)] + [h[1][v]["adam_m"][0] for h in history]
+      sent = [(ms[t + 1] - beta_1 * ms[t]) / (1 - beta_1) for t in range(steps)]
+      residual = sum(history[-1][1][v]["residual"])
+      self.assertAllClose(sum(sent) + residual, fed,
+                          atol=1e-4 * np.abs(fed).max(), rtol=0)
+      for r in range(1, replicas):  # replicas hold the same m, v, t
+        for key in ("adam_m", "adam_v", "adam_t"):
+          self.assertAllEqual(history[-1][1][v][key][r],
+                              history[-1][1][v][key][0])
+      self.assertTrue(compressor.corrects_optimizer(variables[v]))
+
+
+class AccountingTest(tf.test.TestCase):
+
+  def test_the_side_channel_is_counted(self):
+    # The factored side channel all-reduces rows + columns floats of a
+    # matrix and every entry of a vector: (6 + 5) * 4 and 17 * 4 bytes per
+    # replica and step on top of what the same compressor sends without it.
+    grads = harness.continuous_gradients(2, 2, seed=3)
+    payload = {}
+    for adam in (False, True):
+      comp = compression.TopK(0.2, min_count=0, adam=adam)
+      if adam:
+        _with_adam(comp)
+      harness.run(comp, grads, 2)
+      stats = comp.communication_stats()["variables"]
+      payload[adam] = [stats[name]["total"]["payload_bytes"] for name in ("w0", "w1")]
+    for v, side in enumerate((11 * 4, 17 * 4)):
+      self.assertAllEqual(np.asarray(payload[True][v]) - payload[False][v],
+                          [2 * side, 2 * side])  # 2 steps, per replica
+
+
+class NonFiniteTest(tf.test.TestCase):
+
+  def test_a_non_finite_step_moves_no_state(self):
+    for comp in (compression.TopK(0.2, adam=True),
+                 compression.DEFT(0.2, adam=True)):
+      harness.check_non_finite(self, _with_adam(comp), type(comp).__name__ +
+                               ": non-finite gradient for variable")
+
+  def test_a_non_finite_step_under_xla_is_undone(self):
+    harness.check_non_finite_xla(self, lambda: _with_adam(compression.DCTDP(
+        0.9, threshold_life=2, adam=True)))
+
+
+class KerasTest(tf.test.TestCase, parameterized.TestCase):
+  """Through `wrap_optimizer` with an Adam of either Keras flavour."""
+
+  def _setup(self, compressor, optimizer, replicas=2, k=tf_keras):
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
+    with repl.scope():
+      k.utils.set_random_seed(0)
+      model = k.Sequential([k.Input((4,)), k.layers.Dense(6, activation="tanh"),
+                            k.layers.Dense(1)])
+      if callable(optimizer):  # Keras 3 optimizers must be made in the scope
+        optimizer = optimizer()
+      opt = repl.wrap_optimizer(optimizer, compression=compressor)
+    opt.build(model.trainable_variables)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()  # the same batch
+
+    @tf.function
+    def train_step(iterator):
+      def step_fn(batch):
+        bx, by = batch
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_sum(tf.square(model(bx) - by)) / 16
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+      return repl.run(step_fn, args=(next(iterator),))
+
+    iterator = iter(repl.experimental_distribute_dataset(data))
+
+    def train(steps):
+      weights = []
+      for _ in range(steps):
+        train_step(iterator)
+        weights.append([w.numpy() for w in model.trainable_variables])
+      return weights
+    return model, opt, train
+
+  def _train(self, compressor, optimizer, steps=5, k=tf_keras):
+    model, opt, train = self._setup(compressor, optimizer, k=k)
+    return model, opt, train(steps)
+
+  @parameterized.named_parameters(("adam", "Adam", tf_keras),
+                                  ("adamw", "AdamW", tf_keras),
+                                  ("keras3_adam", "Adam", keras))
+  def test_exact_second_moment_equals_dense_when_nothing_is_held_back(
+      self, name, k):
+    # density 1 sends everything: with the exact side channel the
+    # compressor's Adam is tf-keras Adam (AdamW: its weight decay stays
+    # with the optimizer). The bias is excluded: it keeps the optimizer's
+    # own update.
+    make = getattr(k.optimizers, name)
+    comp = compression.TopK(1.0, exclude=("bias",), adam=True,
+                            adam_second_moment="exact", adam_select="raw")
+    model, _, ours = self._train(comp, lambda: make(0.01), k=k)
+    backing = [getattr(v, "value", v) if k is keras else v
+               for v in model.trainable_variables]
+    kernels = [v for v in backing if "kernel" in v.name]
+    biases = [v for v in backing if "bias" in v.name]
+    self.assertLen(kernels, 2)
+    self.assertTrue(all(comp.corrects_optimizer(v) for v in kernels))
+    self.assertFalse(any(comp.corrects_optimizer(v) for v in biases))
+    _, _, dense = self._train(None, lambda: make(0.01), k=k)
+    for a, b in zip(ours, dense):
+      for wa, wb in zip(a, b):
+        self.assertAllClose(wa, wb, atol=1e-6, rtol=1e-5)
+    self.assertGreater(np.abs(ours[-1][0] - ours[0][0]).max(), 1e-3)
+
+  def test_on_by_default_with_adam_only(self):
+    for make, on in ((lambda: tf_keras.optimizers.Adam(1e-3), True),
+                     (lambda: tf_keras.optimizers.AdamW(1e-3), True),
+                     (lambda: tf_keras.optimizers.Adam(1e-3, amsgrad=True), False),
+                     (lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9), False),
+                     (lambda: tf_keras.optimizers.Adagrad(0.1), False)):
+      comp = compression.DCTDP()
+      model, _, _ = self._setup(comp, make())  # build creates the state
+      self.assertEqual(on, all("adam_m" in comp.state_for(v)
+                               for v in model.trainable_variables))
+    for comp in (compression.DEFT(), compression.TopK(0.1)):
+      # off by default (docs/quality.md)
+      model, _, _ = self._setup(comp, tf_keras.optimizers.Adam())
+      self.assertFalse(any(comp.corrects_optimizer(v)
+                           for v in model.trainable_variables))
+    comp = compression.DCTDP(adam=False)
+    model, _, _ = self._setup(comp, tf_keras.optimizers.Adam())
+    self.assertFalse(any(comp.corrects_optimizer(v)
+                         for v in model.trainable_variables))
+
+  def test_checkpoint_restore_leaves_the_trajectory_unchanged(self):
+    comp = compression.DCTDP(0.8, threshold_life=2)
+    model, opt, train = self._setup(comp, tf_keras.optimizers.Adam(0.01))
+    train(3)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+    path = ckpt.save(os.path.join(tempfile.mkdtemp(), "ckpt"))
+    var = model.trainable_variables[0]
+    self.assertGreater(np.abs(comp.state_values(var)["adam_v"][0]).max(), 0)
+    first = train(3)
+    for st in comp.state.values():
+      for key in ("adam_m", "adam_v", "adam_t", "residual"):
+        for v in st[key].variables_per_replica:
+          v.assign(tf.zeros_like(v) + 7.0)
+    ckpt.restore(path)
+    again = train(3)
+    for a, b in zip(first, again):
+      for wa, wb in zip(a, b):
+        self.assertAllEqual(wa, wb)
+
+  def test_bad_settings_are_rejected(self):
+    for kwargs, pattern in (({"adam": "yes"}, r"adam must be None, True or "
+                             r"False, got 'yes'"),
+                            ({"adam_second_moment": "full"},
+                             r"adam_second_moment must be one of \('factored', "
+                             r"'exact'\), got 'full'"),
+                            ({"adam_select": "scaled"},
+                             r"adam_select must be one of \('normalized', "
+                             r"'raw'\), got 'scaled'")):
+      for cls in (compression.DCTDP, compression.TopK, compression.DEFT):
+        with self.assertRaisesRegex(ValueError, f"{cls.__name__}: {pattern}"):
+          cls(**kwargs)
+    with self.assertRaisesRegex(ValueError, r"DCTDP: adam=True .* needs an "
+                                r"Adam or AdamW optimizer without amsgrad"):
+      self._setup(compression.DCTDP(adam=True), tf_keras.optimizers.SGD(0.1))
+    comp = compression.DCTDP()
+    self._setup(comp, tf_keras.optimizers.SGD(0.1))
+    with self.assertRaisesRegex(ValueError, "DCTDP: Adam correction must be "
+                                "set before the compressor has state"):
+      comp.set_adam(*BETAS)
+
+
+if __name__ == "__main__":
+  tf.test.main()
