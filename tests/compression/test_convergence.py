@@ -1,4 +1,4 @@
-"""Convergence: DCTDP(0.99) and DEFT(0.01) train as well as Dense (issue 3).
+"""Convergence: DCTDP(0.99) and DEFT(0.01) train as well as Dense.
 
 A small MLP (16 -> 256 ReLU -> 1) learns a fixed random teacher network on
 synthetic Gaussian inputs (plus a little label noise) over 4 logical CPU

@@ -1,4 +1,4 @@
-"""DCT Fig 2 on a real training run: tau is stable, so a reused tau holds (issue 3).
+"""DCT Fig 2 on a real training run: tau is stable, so a reused tau holds.
 
 DCT (KDD'21) §2.1 / Fig 2: for a fixed sparsity eta the top-K threshold tau of
 a layer's error-corrected gradient barely moves across iterations (at 95% it

@@ -7,12 +7,9 @@ import tf_keras
 
 import tf_dct
 from tf_dct import layers
+from tf_dct.compression import DCTDP
 from tests import util
 
-try:
-  from tf_dct.compression import DCTDP  # pylint: disable=g-import-not-at-top
-except ImportError:  # written concurrently (issue 3)
-  DCTDP = None
 
 
 def setUpModule():
@@ -33,7 +30,7 @@ class HybridTest(tf.test.TestCase):
       first.build((None, 8))
       split.build((None, 32))
       second.build((None, 32))
-      compression = None if DCTDP is None else DCTDP(0.9, threshold_life=2)
+      compression = DCTDP(0.9, threshold_life=2)
       opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(0.05),
                                 compression=compression)
     variables = first.trainable_variables + second.trainable_variables
@@ -67,8 +64,6 @@ class HybridTest(tf.test.TestCase):
     stats = split.bytes_stats()  # per replica: 8 rows x k = 4 of 32
     self.assertEqual(stats["forward_bytes"], 8 * 4 * (4 + 1))
     self.assertEqual(stats["calls"], 30)
-    if DCTDP is None:
-      self.skipTest("DCTDP is not available yet: ran with compression=None")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ them exactly):
   K (4-5% of steps for the benchmark DLRM's kernels of 131k-188k entries).
   With a small K (a bias: K of 1 to 6 at sparsity 0.99) one step's count is
   too noisy to stay in the band, and it fires on 35-58% of steps, which is
-  cheap for such small variables (docs/benchmarks.md, tenth session).
+  cheap for such small variables (docs/benchmarks.md).
   `density_band=None` gives Algorithm 1 exactly.
 * Grouping (an implementation detail, not a change of algorithm): with
   stock ops, variables of at most `FUSE_SIZE` entries and one dtype are laid
