@@ -39,13 +39,16 @@ def second_moment_reference(per_replica, shape, mode):
   return (np.outer(rows, cols) / rows.sum()).reshape(shape)
 
 
-def adam_topk_reference(grads, k, mode, select, betas=BETAS):
+def adam_topk_reference(grads, k, mode, select, betas=BETAS,
+                        first_moment="aggregate"):
   """Adam correction around top-k error feedback; grads[t][r] of one
   variable (no ties). select "normalized": each replica's gradient is scaled
-  by Adam's step scale before error feedback and m averages what was sent;
-  "raw": error feedback on the gradient, Adam's scale after m.
+  by Adam's step scale before error feedback; "raw": error feedback on the
+  gradient, Adam's scale after the exchange. first_moment "aggregate": m
+  averages what was sent; "replica": each replica's own m, bias-corrected,
+  is what error feedback works on.
 
-  Returns per step (direction, residuals, m, v).
+  Returns per step (direction, residuals, m per replica, v).
   """
   beta_1, beta_2, eps = betas
   replicas = len(grads[0])
@@ -53,6 +56,7 @@ def adam_topk_reference(grads, k, mode, select, betas=BETAS):
   n = int(np.prod(shape))
   e = [np.zeros(n, np.float64) for _ in range(replicas)]
   m, v = np.zeros(n), np.zeros(n)
+  ms = [np.zeros(n) for _ in range(replicas)]
   out = []
   for t, step in enumerate(grads, start=1):
     second = second_moment_reference(step, shape, mode).reshape(-1)
@@ -61,17 +65,25 @@ def adam_topk_reference(grads, k, mode, select, betas=BETAS):
     update = np.zeros(n)
     for r in range(replicas):
       g = np.asarray(step[r], np.float64).reshape(-1)
-      acc = (g * scale if select == "normalized" else g) + e[r]
+      q = g * scale if select == "normalized" else g
+      if first_moment == "replica":
+        ms[r] = beta_1 * ms[r] + (1 - beta_1) * q
+        q = ms[r] / (1 - beta_1**t)
+      acc = q + e[r]
       mask = np.zeros(n, bool)
       mask[np.argsort(-np.abs(acc), kind="stable")[:k]] = True
       update += np.where(mask, acc, 0)
       e[r] = np.where(mask, 0, acc)
-    m = beta_1 * m + (1 - beta_1) * update
-    d = m / (1 - beta_1**t)
+    if first_moment == "replica":
+      d = update
+    else:
+      m = beta_1 * m + (1 - beta_1) * update
+      ms = [m] * replicas
+      d = m / (1 - beta_1**t)
     if select == "raw":
       d = d * scale
     out.append((d.reshape(shape), [x.reshape(shape) for x in e],
-                m.reshape(shape), v.reshape(shape)))
+                [x.reshape(shape) for x in ms], v.reshape(shape)))
   return out
 
 
@@ -83,30 +95,35 @@ def _with_adam(compressor, betas=BETAS):
 class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.named_parameters(
-      ("topk_factored", "topk", "factored", "normalized", 2),
-      ("topk_exact_raw", "topk", "exact", "raw", 2),
+      ("topk_factored", "topk", "factored", "normalized", 2, "aggregate"),
+      ("topk_exact_raw", "topk", "exact", "raw", 2, "aggregate"),
+      ("topk_replica_m", "topk", "factored", "normalized", 2, "replica"),
+      ("topk_replica_m_raw", "topk", "exact", "raw", 2, "replica"),
       # The correction sits outside `reduce`: DCT-DP's stock path needs no
       # case of its own.
-      ("dct_dp_native", "dct_native", "factored", "normalized", 4),
+      ("dct_dp_native", "dct_native", "factored", "normalized", 4,
+       "aggregate"),
+      ("dct_dp_native_replica_m", "dct_native", "factored", "normalized", 4,
+       "replica"),
   )
-  def test_matches_numpy_reference(self, kind, mode, select, replicas):
+  def test_matches_numpy_reference(self, kind, mode, select, replicas,
+                                   first_moment):
     # density 0.2 of 30 / 17 entries: k = 6 / 4 (no floor), the same top-k
     # for TopK and for DCT-DP refreshing tau every step (L = 1).
+    options = dict(adam=True, adam_second_moment=mode, adam_select=select,
+                   adam_first_moment=first_moment)
     make = {
-        "topk": lambda: compression.TopK(0.2, min_count=0, adam=True,
-                                         adam_second_moment=mode,
-                                         adam_select=select),
+        "topk": lambda: compression.TopK(0.2, min_count=0, **options),
         "dct_native": lambda: compression.DCTDP(
             0.8, threshold_life=1, capacity_factor=1.0, density_band=None,
-            min_count=0, adam=True, adam_second_moment=mode,
-            adam_select=select),
+            min_count=0, **options),
     }[kind]
     grads = harness.continuous_gradients(6, replicas, seed=replicas)
     _, _, _, history = harness.run(_with_adam(make()), grads, replicas)
     for v, shape in enumerate(SHAPES):
       k = {30: 6, 17: 4}[int(np.prod(shape))]
       ref = adam_topk_reference([[g[v] for g in step] for step in grads], k,
-                                mode, select)
+                                mode, select, first_moment=first_moment)
       for t, ((d, residuals, m, second), (out, states)) in enumerate(
           zip(ref, history)):
         where = f"var {v} step {t}"
@@ -115,17 +132,20 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
                               msg=f"direction {where}")
           self.assertAllClose(states[v]["residual"][r], residuals[r],
                               atol=1e-5, rtol=1e-5, msg=f"residual {where}")
-          self.assertAllClose(states[v]["adam_m"][r], m, atol=1e-6, rtol=1e-5)
+          self.assertAllClose(states[v]["adam_m"][r], m[r], atol=1e-6,
+                              rtol=1e-5)
           self.assertAllClose(states[v]["adam_v"][r], second, atol=1e-6,
                               rtol=1e-5)
           self.assertEqual(states[v]["adam_t"][r], t + 1)
 
   @parameterized.named_parameters(
-      ("dct_dp", lambda: compression.DCTDP(0.9, threshold_life=3, adam=True)),
-      ("deft", lambda: compression.DEFT(0.1, adam=True)),
+      ("dct_dp", lambda: compression.DCTDP(
+          0.9, threshold_life=3, adam=True, adam_first_moment="aggregate")),
+      ("deft", lambda: compression.DEFT(0.1, adam=True,
+                                        adam_first_moment="aggregate")),
   )
   def test_error_feedback_conserves_the_scaled_gradient(self, make):
-    # Error feedback works on q = g * scale_t (normalized selection):
+    # first_moment="aggregate": error feedback works on q = g * scale_t:
     # sum of what was sent + sum_r E equals the sum of the q fed in. m is a
     # linear filter of what was sent, m_t = b1 m_{t-1} + (1 - b1) sent_t, so
     # the m and v in the state after each step give back both sides.
@@ -150,6 +170,33 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
           self.assertAllEqual(history[-1][1][v][key][r],
                               history[-1][1][v][key][0])
       self.assertTrue(compressor.corrects_optimizer(variables[v]))
+
+
+  def test_error_feedback_conserves_the_replicas_first_moments(self):
+    # first_moment="replica": error feedback works on each replica's
+    # bias-corrected m_r / (1 - b1^t), and the aggregate of what was sent
+    # is the direction itself: sum of the directions + sum_r E_r equals the
+    # sum over steps and replicas of m_r / (1 - b1^t) (m_r from the state).
+    replicas, steps = 2, 7
+    beta_1 = BETAS[0]
+    grads = harness.continuous_gradients(steps, replicas, seed=6)
+    compressor = _with_adam(compression.DCTDP(
+        0.9, threshold_life=3, adam=True, adam_first_moment="replica"))
+    _, _, _, history = harness.run(compressor, grads, replicas)
+    for v, shape in enumerate(SHAPES):
+      fed, sent = np.zeros(shape), np.zeros(shape)
+      for t, (out, states) in enumerate(history, start=1):
+        fed += sum(np.asarray(m, np.float64)
+                   for m in states[v]["adam_m"]) / (1 - beta_1**t)
+        sent += np.asarray(out[0][v], np.float64)
+        for r in range(1, replicas):  # every replica applies the same sum
+          self.assertAllEqual(out[r][v], out[0][v])
+      residual = sum(history[-1][1][v]["residual"])
+      self.assertAllClose(sent + residual, fed,
+                          atol=1e-4 * np.abs(fed).max(), rtol=0)
+      # the replicas' first moments differ (each sees its own gradients)
+      self.assertNotAllClose(history[-1][1][v]["adam_m"][0],
+                             history[-1][1][v]["adam_m"][1])
 
 
 class AccountingTest(tf.test.TestCase):
@@ -226,17 +273,20 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
     model, opt, train = self._setup(compressor, optimizer, k=k)
     return model, opt, train(steps)
 
-  @parameterized.named_parameters(("tf_keras_adamw", "AdamW", tf_keras),
-                                  ("keras3_adam", "Adam", keras))
+  @parameterized.named_parameters(
+      ("tf_keras_adamw", "AdamW", tf_keras, "aggregate"),
+      ("keras3_adam", "Adam", keras, "aggregate"),
+      ("tf_keras_adam_replica_m", "Adam", tf_keras, "replica"))
   def test_exact_second_moment_equals_dense_when_nothing_is_held_back(
-      self, name, k):
+      self, name, k, first_moment):
     # density 1 sends everything: with the exact side channel the
     # compressor's Adam is tf-keras Adam (AdamW: its weight decay stays
     # with the optimizer). The bias is excluded: it keeps the optimizer's
     # own update.
     make = getattr(k.optimizers, name)
     comp = compression.TopK(1.0, exclude=("bias",), adam=True,
-                            adam_second_moment="exact", adam_select="raw")
+                            adam_second_moment="exact", adam_select="raw",
+                            adam_first_moment=first_moment)
     model, _, ours = self._train(comp, lambda: make(0.01), k=k)
     backing = [getattr(v, "value", v) if k is keras else v
                for v in model.trainable_variables]
@@ -298,7 +348,10 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
                              r"'exact'\), got 'full'"),
                             ({"adam_select": "scaled"},
                              r"adam_select must be one of \('normalized', "
-                             r"'raw'\), got 'scaled'")):
+                             r"'raw'\), got 'scaled'"),
+                            ({"adam_first_moment": "local"},
+                             r"adam_first_moment must be one of "
+                             r"\('aggregate', 'replica'\), got 'local'")):
       for cls in (compression.DCTDP, compression.TopK, compression.DEFT):
         with self.assertRaisesRegex(ValueError, f"{cls.__name__}: {pattern}"):
           cls(**kwargs)

@@ -14,24 +14,25 @@ step whatever the size of its gradient, so a coordinate whose gradient is
 small (which a selection by |g| holds back longest) matters as much as a
 large one.
 
-The correction runs Adam inside the compressor, on every replica alike:
+The correction runs Adam inside the compressor. With the defaults, on
+replica r:
 
     V = estimate of g^2 from a small dense side channel (below)
     v <- b2 * v + (1 - b2) * V          the second moment sees every step
     s = sqrt(1 - b2^t) / (sqrt(v) + eps)  Adam's per-entry step scale
-    q = g * s                           select="normalized" (default)
-    sent = the compressor's own rule on q, error feedback on q
-    m <- b1 * m + (1 - b1) * sent       linear: bursts keep their total
-    d = m / (1 - b1^t)
+    q_r = g_r * s                       select="normalized"
+    m_r <- b1 * m_r + (1 - b1) * q_r    first_moment="replica"
+    d = sum over replicas of what the compressor's own rule sends of
+        m_r / (1 - b1^t), error feedback on m_r / (1 - b1^t)
 
 and the optimizer applies d as plain SGD (`var -= lr * d`), as with
 momentum correction. Selecting on q ranks entries by how far Adam would
-move them, not by the raw gradient. m, v and t are equal on every replica
-(they only see all-reduced values), so the replicas stay identical, and
-error feedback conserves q exactly. With select="raw" error feedback works
-on g and the scale is applied to m after the exchange (d = m s / (1 - b1^t));
-with nothing held back and second_moment="exact" that is tf-keras Adam step
-for step (tested). Variables whose gradient arrives as `tf.IndexedSlices`
+move them, not by the raw gradient. v and t are equal on every replica
+(they only see all-reduced values) and every replica applies the same d,
+so the replicas stay identical. With select="raw" error feedback works on
+the unscaled first moment and s is applied to d after the exchange; with
+nothing held back and second_moment="exact" that is tf-keras Adam step for
+step (tested). Variables whose gradient arrives as `tf.IndexedSlices`
 (embedding rows) get no side channel: their Adam runs on the aggregate, as
 the optimizer's own would.
 
@@ -50,6 +51,19 @@ Second-moment side channels (`second_moment`):
 * "exact": the dense gradient itself is all-reduced and squared. It costs a
   dense all-reduce and is meant for measuring what the factored estimate
   loses.
+
+First moments (`first_moment`):
+
+* "replica" (default): DGC's momentum correction applied to Adam's first
+  moment, as above. m is linear, so the replicas' m_r sum to the dense m:
+  with nothing held back this is Adam with the shared v, and a held-back
+  entry accumulates the distance dense Adam would have moved it. Error
+  feedback conserves the sum of m_r / (1 - b1^t).
+* "aggregate": error feedback on q, and one m, equal on every replica,
+  averages what was sent: m <- b1 m + (1 - b1) sent, d = m / (1 - b1^t).
+  A burst released after T held-back steps is then spread by m over the
+  next ~1 / (1 - b1) steps, a further delay; it trained worse on three of
+  our four models (docs/quality.md).
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ import tensorflow as tf
 
 SECOND_MOMENTS = ("factored", "exact")
 SELECTIONS = ("normalized", "raw")
+FIRST_MOMENTS = ("aggregate", "replica")
 
 
 def as_matrix_shape(shape: tf.TensorShape) -> tuple[int, int] | None:

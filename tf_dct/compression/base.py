@@ -84,6 +84,7 @@ class Compressor(tf.Module):
     self.adam = False
     self.adam_second_moment = "factored"
     self.adam_select = "normalized"
+    self.adam_first_moment = "replica"
     self._adam_hparams = None
 
   def _init_momentum(self, momentum, momentum_masking) -> None:
@@ -102,7 +103,8 @@ class Compressor(tf.Module):
     self.momentum = momentum
     self.momentum_masking = momentum_masking
 
-  def _init_adam(self, adam, second_moment, adam_select="normalized") -> None:
+  def _init_adam(self, adam, second_moment, adam_select="normalized",
+                 first_moment="replica") -> None:
     """Validates and sets the Adam-correction options (see `adam_correction`)."""
     owner = type(self).__name__
     if adam is not None and not isinstance(adam, bool):
@@ -113,7 +115,11 @@ class Compressor(tf.Module):
     if adam_select not in adam_correction.SELECTIONS:
       raise ValueError(f"{owner}: adam_select must be one of "
                        f"{adam_correction.SELECTIONS}, got {adam_select!r}")
+    if first_moment not in adam_correction.FIRST_MOMENTS:
+      raise ValueError(f"{owner}: adam_first_moment must be one of "
+                       f"{adam_correction.FIRST_MOMENTS}, got {first_moment!r}")
     self.adam = adam
+    self.adam_first_moment = first_moment
     self.adam_second_moment = second_moment
     self.adam_select = adam_select
 
@@ -468,7 +474,7 @@ class Compressor(tf.Module):
     dtype = parts[0].dtype
     summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(
         [tf.cast(p, dtype) for p in parts], 0))
-    _, beta_2, epsilon = self._adam_hparams
+    beta_1, beta_2, epsilon = self._adam_hparams
     out, pending = list(grads), {}
     for i, piece in zip(picked, tf.split(summed, sizes)):
       var, st = variables[i], states[i]
@@ -477,10 +483,16 @@ class Compressor(tf.Module):
       v, t = adam_correction.second_moment_step(
           st["adam_v"].local().read_value(), st["adam_t"].local().read_value(),
           second, beta_2)
-      pending[i] = (v, t)
+      q = tf.reshape(tf.convert_to_tensor(grads[i]), var.shape)
       if self.adam_select == "normalized":
-        out[i] = tf.reshape(tf.convert_to_tensor(grads[i]), var.shape) * (
-            adam_correction.scale(v, t, beta_2, epsilon))
+        q = q * adam_correction.scale(v, t, beta_2, epsilon)
+      m = None
+      if self.adam_first_moment == "replica":  # this replica's m feeds EF
+        m, q = adam_correction.first_moment_step(
+            st["adam_m"].local().read_value(), t, q, beta_1)
+      pending[i] = (v, t, m)
+      if self.adam_select == "normalized" or m is not None:
+        out[i] = q
     return out, pending
 
   def _adam_after(self, results, variables, states, pending) -> list:
@@ -498,8 +510,11 @@ class Compressor(tf.Module):
       sent = tf.reshape(tf.convert_to_tensor(results[i]), var.shape)
       m = st["adam_m"].local().read_value()
       if i in pending:
-        v, t = pending[i]
-        m, d = adam_correction.first_moment_step(m, t, sent, beta_1)
+        v, t, local_m = pending[i]
+        if local_m is None:
+          m, d = adam_correction.first_moment_step(m, t, sent, beta_1)
+        else:  # the replicas' first moments were sent: apply them as they are
+          m, d = local_m, sent
         if self.adam_select != "normalized":
           d = d * adam_correction.scale(v, t, beta_2, epsilon)
         self._add_reduce_bytes(var, adam_correction.side_channel_size(

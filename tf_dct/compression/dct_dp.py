@@ -269,6 +269,10 @@ class DCTDP(Compressor):
     adam_select: "normalized" (default: error feedback and selection on the
       Adam-scaled gradient) or "raw" (on the gradient, the scale applied
       after the exchange).
+    adam_first_moment: "replica" (default: each replica keeps Adam's first
+      moment of its own gradients and error feedback works on it, DGC's
+      momentum correction for Adam) or "aggregate" (m averages what was
+      sent; a held-back burst is then spread over the next steps).
 
   See the module docstring for the exact conventions.
   """
@@ -281,7 +285,8 @@ class DCTDP(Compressor):
                native: bool | None = None, min_count: int = 8,
                momentum: float | None = None, momentum_masking: bool = False,
                adam: bool | None = None, adam_second_moment: str = "factored",
-               adam_select: str = "normalized"):
+               adam_select: str = "normalized",
+               adam_first_moment: str = "replica"):
     super().__init__(name=name, exclude=exclude)
     self.sparsity = float(_check("sparsity", sparsity, numbers.Real, 0, True,
                                  1, True))
@@ -296,7 +301,8 @@ class DCTDP(Compressor):
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     self._init_momentum(momentum, momentum_masking)
-    self._init_adam(adam, adam_second_moment, adam_select)
+    self._init_adam(adam, adam_second_moment, adam_select,
+                    adam_first_moment)
     if index_encoding != "auto" and index_encoding not in sparse_wire.ENCODINGS:
       raise ValueError(f"DCTDP: index_encoding must be 'auto' or one of "
                        f"{sparse_wire.ENCODINGS}, got {index_encoding!r}")

@@ -319,9 +319,9 @@ class DEFT(Compressor):
     min_count: every partition takes at least min(size, min_count) of the
       budget, an int >= 0 (the paper: 1; values below 1 mean 1).
     momentum, momentum_masking: momentum correction, as in `DCTDP`.
-    adam, adam_second_moment, adam_select: Adam correction, as in `DCTDP`,
-      but off by default: with DEFT's norm-based budget it trained worse
-      than without it in our runs (docs/quality.md).
+    adam, adam_second_moment, adam_select, adam_first_moment: Adam
+      correction, as in `DCTDP`, but off by default: with DEFT's norm-based
+      budget it trained worse than without it in our runs (docs/quality.md).
 
   See the module docstring for the exact conventions.
   """
@@ -331,12 +331,14 @@ class DEFT(Compressor):
                exclude: Sequence[str] = (), min_count: int = 8,
                momentum: float | None = None, momentum_masking: bool = False,
                adam: bool | None = False, adam_second_moment: str = "factored",
-               adam_select: str = "normalized"):
+               adam_select: str = "normalized",
+               adam_first_moment: str = "replica"):
     super().__init__(name=name, exclude=exclude)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     self._init_momentum(momentum, momentum_masking)
-    self._init_adam(adam, adam_second_moment, adam_select)
+    self._init_adam(adam, adam_second_moment, adam_select,
+                    adam_first_moment)
     self.density = float(_check("density", density, numbers.Real, 0, True, 1))
     self.min_size = int(_check("min_size", min_size, numbers.Integral, 0, False))
     self.warmup_steps = int(_check("warmup_steps", warmup_steps,

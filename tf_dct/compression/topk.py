@@ -108,9 +108,10 @@ class ErrorFeedbackCompressor(Compressor):
     momentum, momentum_masking: momentum correction, as in `DCTDP` (here
       off by default: the baselines CLTK and HardThreshold keep their
       published form; TopK defaults to None, as DCTDP).
-    adam, adam_second_moment, adam_select: Adam correction, as in `DCTDP`
-      (off by default here and in TopK: with exactly k entries a step it
-      was no better overall than without it in our runs, docs/quality.md).
+    adam, adam_second_moment, adam_select, adam_first_moment: Adam
+      correction, as in `DCTDP` (off by default here and in TopK: with
+      exactly k entries a step it was no better overall than without it in
+      our runs, docs/quality.md).
   """
 
   # Further per-variable scalars of the state, of the variable's dtype;
@@ -121,10 +122,12 @@ class ErrorFeedbackCompressor(Compressor):
                name: str | None = None, exclude: Sequence[str] = (),
                momentum: float | None = 0.0, momentum_masking: bool = False,
                adam: bool | None = False, adam_second_moment: str = "factored",
-               adam_select: str = "normalized"):
+               adam_select: str = "normalized",
+               adam_first_moment: str = "replica"):
     super().__init__(name=name, exclude=exclude)
     self._init_momentum(momentum, momentum_masking)
-    self._init_adam(adam, adam_second_moment, adam_select)
+    self._init_adam(adam, adam_second_moment, adam_select,
+                    adam_first_moment)
     self.min_size = int(self._check("min_size", min_size, numbers.Integral, 0,
                                     False))
     self.warmup_steps = int(self._check("warmup_steps", warmup_steps,
@@ -291,12 +294,14 @@ class TopK(ErrorFeedbackCompressor):
                min_count: int = 8, momentum: float | None = None,
                momentum_masking: bool = False, adam: bool | None = False,
                adam_second_moment: str = "factored",
-               adam_select: str = "normalized"):
+               adam_select: str = "normalized",
+               adam_first_moment: str = "replica"):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
                      exclude=exclude, momentum=momentum,
                      momentum_masking=momentum_masking, adam=adam,
                      adam_second_moment=adam_second_moment,
-                     adam_select=adam_select)
+                     adam_select=adam_select,
+                     adam_first_moment=adam_first_moment)
     self.density = float(self._check("density", density, numbers.Real, 0, True,
                                      1, False))
     self.min_count = int(self._check("min_count", min_count, numbers.Integral,
