@@ -33,6 +33,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_dct
+from tf_dct import keras as tf_dct_keras
 from launch import registry
 
 MODELS = tuple(registry.SPECS)
@@ -645,13 +646,15 @@ class Job:
         if int(job.step.numpy()) >= self.stop_at:
           self.model.stop_training = True
 
+    # One train function per compression phase (e.g. a dense warm-up).
+    phases = tf_dct_keras.phase_callback(self.optimizer)
     while int(self.step.numpy()) < cfg["steps"]:
       step = int(self.step.numpy())
       every = cfg["eval_every"] or cfg["steps"]
       stop_at = min(cfg["steps"], (step // every + 1) * every)
       self.model.fit(self._dataset(cfg["batch_size"]), steps_per_epoch=steps_per_epoch,
                      epochs=-(-(stop_at - step) // steps_per_epoch), verbose=0,
-                     callbacks=[Progress(stop_at)])
+                     callbacks=[Progress(stop_at), phases])
       self._checkpoint_and_evaluate()
 
   # -- per step -----------------------------------------------------------------

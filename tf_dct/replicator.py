@@ -63,6 +63,7 @@ class ReplicatorMixin:
     self._jit_compile = bool(jit_compile)
     self._inputs = {}
     self._steps = {}
+    self._trace_hooks = []
     self._cache_lock = threading.Lock()
 
   # --- topology ---------------------------------------------------------------
@@ -141,7 +142,25 @@ class ReplicatorMixin:
           f"run: input_fn must be callable, got {type(input_fn).__name__}")
     if args or kwargs or options:
       raise ValueError("run(step_fn, input_fn) takes no args/kwargs/options")
-    return self._replicated_step(fn, input_fn)()
+    with contextlib.ExitStack() as stack:
+      keys = tuple(stack.enter_context(hook()) for hook in self._trace_hooks)
+      if all(key is None for key in keys):
+        keys = ()
+      return self._replicated_step(fn, input_fn, keys)()
+
+  def add_trace_hook(self, hook: Callable[[], contextlib.AbstractContextManager]
+                     ) -> None:
+    """Makes `run(step_fn, input_fn)` trace one step function per phase.
+
+    `hook()` returns a context manager whose value is a hashable key. Every
+    call of `run(step_fn, input_fn)` enters every hook, calls the step
+    function cached for the tuple of their keys (tracing it when new), and
+    leaves them. A hook that yields None adds no key. `wrap_optimizer` adds one for the compressor's phases
+    (`tf_dct.compression.Compressor.in_phase`).
+    """
+    if not callable(hook):
+      raise TypeError(f"add_trace_hook: hook must be callable, got {hook!r}")
+    self._trace_hooks.append(hook)
 
   def _replicated_input(self, input_fn) -> input_pipeline.ReplicatedInput:
     with self._cache_lock:
@@ -161,8 +180,9 @@ class ReplicatorMixin:
             input_context=_private.input_context(self))
       return self._inputs[input_fn]
 
-  def _replicated_step(self, step_fn, input_fn) -> Callable[[], object]:
-    key = (step_fn, input_fn)
+  def _replicated_step(self, step_fn, input_fn, phase=()
+                       ) -> Callable[[], object]:
+    key = (step_fn, input_fn) + ((phase,) if phase else ())
     with self._cache_lock:
       if key in self._steps:
         return self._steps[key]
@@ -232,7 +252,9 @@ class ReplicatorMixin:
       self._wrap_count = getattr(self, "_wrap_count", 0) + 1
       self._agree(f"wrap_optimizer_{self._wrap_count}",
                   {"optimizer": type(optimizer).__name__, **compressor.config()})
-    return keras_adapters.wrap_optimizer(optimizer, compressor, self)
+    keras_adapters.wrap_optimizer(optimizer, compressor, self)
+    self.add_trace_hook(lambda: keras_adapters.phase(optimizer))
+    return optimizer
 
   def _agree(self, topic: str, config: dict) -> None:
     """Raises unless every worker has the same `config` (one process: no-op)."""

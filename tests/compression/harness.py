@@ -40,8 +40,12 @@ def continuous_gradients(steps: int, replicas: int, seed: int = 0,
 
 
 def run(compressor, grads, replicas: int, jit_compile: bool = False,
-        shapes=SHAPES):
+        shapes=SHAPES, phases: bool = False):
   """Feeds grads[t][r][v] to `compressor.aggregate` on `replicas` replicas.
+
+  With `phases`, step t is traced and run in the compressor's phase of t
+  (`Compressor.in_phase`, as `wrap_optimizer` drives it); without, every
+  step decides its phase in the graph.
 
   Returns `(repl, step_fn, variables, history)`; history[t] is `(out,
   states)`: out[r][v] the aggregate on replica r, states[v] the state of
@@ -51,6 +55,8 @@ def run(compressor, grads, replicas: int, jit_compile: bool = False,
                            input_replication=tf_dct.PER_REPLICA,
                            jit_compile=jit_compile)
   compressor.bind(repl)
+  if phases:
+    repl.add_trace_hook(lambda: compressor.in_phase(len(history)))
   with repl.scope():
     variables = [tf.Variable(tf.zeros(s), name=f"w{i}")
                  for i, s in enumerate(shapes)]

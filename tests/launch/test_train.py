@@ -188,12 +188,17 @@ class CommunicationSummaryTest(tf.test.TestCase):
 class ModelsTest(tf.test.TestCase):
   """`--config=local` for every other model and loop, one compressor each."""
 
-  def test_dlrm_fit_loop_topk(self):
-    s = train.train(_cfg(model="dlrm", loop="fit", compression="topk"))
+  def test_dlrm_fit_loop_topk_with_warmup(self):
+    s = train.train(_cfg(model="dlrm", loop="fit", compression="topk",
+                         warmup_steps=5))
     self.assertEqual(s["steps"], 30)
     _assert_learns(self, s)
     self.assertIn("auc", s["eval"])
-    self.assertGreater(s["communication"]["dense_bytes"], s["communication"]["bytes_sent"])
+    # fit runs the dense warm-up and the compressed steps as their own train
+    # functions: traced once, every step would also all-reduce densely and
+    # send more than the densified baseline.
+    self.assertLess(s["communication"]["bytes_sent"],
+                    0.5 * s["communication"]["dense_bytes"])
 
   def test_ncf_deft(self):
     s = train.train(_cfg(model="ncf", compression="deft", **TWO_REPLICAS))

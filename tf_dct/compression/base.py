@@ -7,6 +7,14 @@ was sent (dense SUM for `Dense`). It may keep per-replica state per variable
 first time it sees a variable and tracked for checkpoints. Compressors know
 nothing of Keras; `tf_dct.keras` adapts each Keras flavour to this interface.
 
+Phases: a compressor with `warmup_steps > 0` has two, dense (steps before
+`warmup_steps`) then compressed. A driver that knows the step
+(`Replicator.run` through `wrap_optimizer`, `tf_dct.keras.PhaseCallback` for
+`fit`) traces one step function per phase under `in_phase`, so a dense step
+issues only the dense all-reduce and a compressed one only the compressor's
+exchange. Traced without a driver (`phase` None), each step decides in the
+graph and issues both collectives (collectives cannot sit in `tf.cond`).
+
 Accounting: inside `reduce`, a compressor calls `record(variable, ...)` once
 per variable with what this replica gathered / all-reduced, the nnz of the
 aggregate, its threshold and selection time; `aggregate` turns the records
@@ -16,6 +24,7 @@ model), readable with `communication_stats()` and written as summaries.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 import re
@@ -86,6 +95,9 @@ class Compressor(tf.Module):
     self.adam_select = "normalized"
     self.adam_first_moment = "replica"
     self._adam_hparams = None
+    # The phase the step being traced runs in (`in_phase`); None: decided in
+    # the graph, every step.
+    self.phase = None
 
   def _init_momentum(self, momentum, momentum_masking) -> None:
     """Validates and sets the momentum-correction options (see `corrects_momentum`)."""
@@ -157,6 +169,67 @@ class Compressor(tf.Module):
       return False
     state = self.state_for(variable)
     return "velocity" in state or "adam_m" in state
+
+  # -- phases -------------------------------------------------------------------
+
+  def phase_starts(self) -> tuple[int, ...]:
+    """The steps at which this compressor's phases start: (0,), or (0, w)
+    with `warmup_steps` w > 0 (phase 0 dense, phase 1 compressed)."""
+    warmup = getattr(self, "warmup_steps", 0)
+    return (0, warmup) if warmup else (0,)
+
+  def phase_for(self, step: int) -> int:
+    """The index of the phase that `step` (0-based, optimizer steps) is in."""
+    return sum(1 for start in self.phase_starts()[1:] if step >= start)
+
+  def phase_is_dense(self, phase: int) -> bool:
+    """Whether every replica sends its whole accumulator in `phase`."""
+    return len(self.phase_starts()) > 1 and phase == 0
+
+  @contextlib.contextmanager
+  def in_phase(self, step: int):
+    """Traces (and runs) steps as the phase of `step` within the block.
+
+    Yields the phase's index, the key under which a driver caches the step
+    function it traces for that phase. A compressor with a single phase
+    yields None and changes nothing.
+    """
+    if len(self.phase_starts()) == 1:
+      yield None
+      return
+    phase = self.phase_for(step)
+    self.phase, before = phase, self.phase
+    try:
+      yield phase
+    finally:
+      self.phase = before
+
+  @property
+  def in_graph_warmup(self) -> bool:
+    """Whether a traced step decides dense warm-up in the graph and so
+    issues the dense all-reduce besides the exchange (no phase driver)."""
+    return bool(getattr(self, "warmup_steps", 0)) and self.phase is None
+
+  def _flush(self, ctx, grads, variables, states) -> list:
+    """A dense phase: each replica sends its accumulator g + E whole (one SUM
+    all-reduce) and E becomes 0, so nothing held back is lost; the
+    compressor's other state (thresholds, counters) does not move."""
+    owner = type(self).__name__
+    grads = error_feedback.densify_unless(grads, [False] * len(grads))
+    checked, values, _ = error_feedback.checked_reads(
+        owner, grads, variables, [st if "residual" in st else {}
+                                  for st in states], ("residual",))
+    accs = [tf.reshape(error_feedback.accumulate(g, value["residual"], v),
+                       v.shape) if value else g
+            for g, v, value in zip(checked, variables, values)]
+    results = ctx.all_reduce(tf.distribute.ReduceOp.SUM, accs)
+    with tf.control_dependencies(error_feedback.gate(results)):
+      for st in states:
+        if "residual" in st:
+          st["residual"].local().assign(tf.zeros_like(st["residual"].local()))
+    for v in variables:
+      self.record_dense(v)
+    return list(results)
 
   @property
   def replicator(self):
@@ -610,7 +683,9 @@ class Compressor(tf.Module):
                                                    kept_states)
       kept_grads, adam_pending = self._adam_before(ctx, kept_grads, kept_vars,
                                                    kept_states)
-      out_kept = (self.reduce(ctx, kept_grads, kept_vars, kept_states)
+      dense_phase = self.phase is not None and self.phase_is_dense(self.phase)
+      reduce = self._flush if dense_phase else self.reduce
+      out_kept = (reduce(ctx, kept_grads, kept_vars, kept_states)
                   if kept else [])
       self._mask_velocities(pending)
       out_kept = self._adam_after(out_kept, kept_vars, kept_states, adam_pending)

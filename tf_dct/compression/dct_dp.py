@@ -34,10 +34,13 @@ them exactly):
   always goes dense; every variable goes dense while k < warmup_steps. A dense
   step sends the whole accumulator g + E (all-reduce SUM) and zeroes E, so no
   held-back gradient is lost when switching. Variables below `min_size` keep
-  no state at all. Because collectives cannot sit inside `tf.cond` under
-  MirroredStrategy, a compressor with warmup_steps > 0 issues both the dense
-  all-reduce and the sparse all-gather on every step (the unused one carries
-  zeros); keep warmup_steps = 0 unless that cost is acceptable.
+  no state at all. Warm-up and the compressed steps are phases
+  (`Compressor.in_phase`): traced in its phase, as `Replicator.run` and
+  `tf_dct.keras.phase_callback` do for a wrapped optimizer, a warm-up step
+  issues only the dense all-reduce (and moves no counter: k counts the
+  compressed steps) and a compressed step only the all-gather. A step traced
+  without its phase decides in the graph and issues both (collectives cannot
+  sit inside `tf.cond`; the unused one carries zeros).
 * Non-finite gradients are an error: every incoming gradient is checked
   (`error_feedback.check_finite`) before any state of this step is read, so
   the residual is never updated with them. State is written only after the
@@ -224,7 +227,8 @@ class DCTDP(Compressor):
       at the cost of bandwidth; what does not fit stays in the residual.
     min_size: variables with fewer entries are always all-reduced densely,
       an int >= 0.
-    warmup_steps: steps during which every variable goes dense, an int >= 0.
+    warmup_steps: steps during which every variable goes dense, an int >= 0
+      (a phase of its own; see the module docstring).
     name: module name.
     density_band: `(low, high)` with 0 <= low <= 1 <= high, low < high:
       refresh tau early when this replica's local density of a variable
@@ -396,7 +400,7 @@ class DCTDP(Compressor):
           if stamped or not timing else tf.add_n(kernel_seconds))
       # With warmup a dense part is added to the sums, so their non-zeros
       # are counted on the results instead (`_report`), not here too.
-      counted = not self.warmup_steps
+      counted = not self.in_graph_warmup
       exchanged = sparse_wire.exchange_many(  # DCT Algorithm 1 line 12
           ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items],
           encoding=self.index_encoding, presorted=True, nnz=counted,
@@ -470,7 +474,7 @@ class DCTDP(Compressor):
   def _schedule(self, k):
     """Per variable (from the step counters k): (warm, due), warm None
     without warmup; due: the schedule refreshes tau (line 3)."""
-    if not self.warmup_steps:
+    if not self.in_graph_warmup:
       return None, k % self.threshold_life == 0                  # DCT Algorithm 1 line 3
     warm = k < self.warmup_steps
     return warm, tf.logical_and(
@@ -664,7 +668,7 @@ class DCTDP(Compressor):
       reports.append((dict(
           gather_bytes=sparse_wire.wire_bytes(sizes[v], caps[v], var.dtype,
                                               self.index_encoding),
-          reduce_bytes=sizes[v] * var.dtype.size if self.warmup_steps else 0,
+          reduce_bytes=sizes[v] * var.dtype.size if self.in_graph_warmup else 0,
           sent=counts[v], threshold=taus[v], selection_seconds=None,  # set by reduce
           counters=counters), warms[v]))
 

@@ -79,9 +79,11 @@ Conventions (tests/compression/reference_deft.py follows them exactly):
 * Dense variables and warmup. Variables with fewer than `min_size` entries
   (or none) go through one dense SUM all-reduce and keep no state. While
   step < warmup_steps the group sends its whole accumulator densely and
-  clears E. Collectives cannot sit in `tf.cond`, so with warmup_steps > 0
-  every step also issues that dense all-reduce (zeros after warmup), and the
-  sparse collectives run during warmup with empty selections.
+  clears E. Traced in its phase (`Compressor.in_phase`, driven by
+  `wrap_optimizer`'s `Replicator.run` and `tf_dct.keras.phase_callback`), a
+  warm-up step issues the dense all-reduce alone and a later step the
+  sparse collectives alone. Traced without a phase, collectives cannot sit
+  in `tf.cond`, so every step issues both (zeros where unused).
 * Non-finite gradients raise: every gradient passes
   `error_feedback.check_finite` before any state is read, and state is
   written only after the step's collectives, which wait for every replica's
@@ -405,7 +407,7 @@ class DEFT(Compressor):
     for i, var in enumerate(variables):
       norms = 4 * sum(1 for p in parts if p.variable == i)
       union = slots[i] * (4 + dtype.size)
-      warm = sizes[i] * dtype.size if self.warmup_steps else 0
+      warm = sizes[i] * dtype.size if self.in_graph_warmup else 0
       self.record(var, reduce_bytes=norms + union + warm,
                   nnz=tf.math.count_nonzero(sparse[i], dtype=tf.int32),
                   sent=selected[i],
@@ -446,7 +448,7 @@ class DEFT(Compressor):
     owner = owners(pack(k, p_sizes, n), step, n)         # DEFT Algorithm 4
     owned = tf.equal(owner, tf.cast(ctx.replica_id_in_sync_group, tf.int32))
     warm = None
-    if self.warmup_steps:
+    if self.in_graph_warmup:
       warm = step < self.warmup_steps
       owned = tf.logical_and(owned, tf.logical_not(warm))
 

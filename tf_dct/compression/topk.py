@@ -28,8 +28,9 @@ Conventions (tests/compression/reference_baselines.py follows them exactly):
   shared with HardThreshold and CLTK through `ErrorFeedbackCompressor` (below)
   and behave as in DCTDP: variables with fewer than `min_size` entries go
   dense and keep no state; during the first `warmup_steps` steps a variable
-  sends g + E densely and clears E (both collectives are then issued every
-  step); a NaN/Inf gradient raises and no replica's state advances.
+  sends g + E densely and clears E (a step traced without its phase,
+  `Compressor.in_phase`, issues both collectives); a NaN/Inf gradient raises
+  and no replica's state advances.
 * IndexedSlices gradients are not densified: their rows are scatter-added
   into a copy of the residual (`error_feedback.accumulate`), as in DCTDP.
   Variables below `min_size` are densified (dense all-reduce).
@@ -173,7 +174,7 @@ class ErrorFeedbackCompressor(Compressor):
       acc = error_feedback.accumulate(             # DEFT Algorithm 1 line 5
           g, value["residual"], v)
       step = self.unpack_scalars(v, value["scalars"])["step"]
-      warm = step < self.warmup_steps if self.warmup_steps else None
+      warm = step < self.warmup_steps if self.in_graph_warmup else None
       items.append((i, v, st, Item(acc, step, warm, v.shape.num_elements())))
       if warm is not None:
         dense.append((i, tf.reshape(tf.where(warm, acc, tf.zeros_like(acc)),
@@ -204,7 +205,7 @@ class ErrorFeedbackCompressor(Compressor):
       nnz = (out.nnz if out.nnz is not None
              else self.aggregate_nnz(r, it.warm))  # it.warm: None without warmup
       sent, overflow = out.sent, out.overflow
-      if self.warmup_steps:  # the dense all-reduce is issued on every step
+      if self.in_graph_warmup:  # the dense all-reduce is issued on every step
         report["reduce_bytes"] = report.get("reduce_bytes", 0) + n * v.dtype.size
         sent = tf.where(it.warm, n, sent)
         overflow = tf.where(it.warm, 0, overflow)
@@ -253,7 +254,7 @@ class ErrorFeedbackCompressor(Compressor):
     # compact() leaves positions increasing with the padding last.
     # With warmup a dense part is added to the sums, so their non-zeros are
     # counted on the results instead (`_report`), not here too.
-    counted = not self.warmup_steps
+    counted = not self.in_graph_warmup
     exchanged = sparse_wire.exchange_many(ctx, buffers, presorted=True,
                                           nnz=counted)
     summed, nnzs = (exchanged if counted

@@ -62,6 +62,67 @@ def communication_stats(optimizer) -> dict:
   return optimizer._tf_dct_compressor.communication_stats()  # pylint: disable=protected-access
 
 
+@contextlib.contextmanager
+def phase(optimizer):
+  """Enters the wrapped compressor's phase for the optimizer's next step.
+
+  Yields the phase's key (None when the compressor has one phase, or when
+  called while tracing: then the step decides its phase in the graph). The
+  step is `optimizer.iterations`, which checkpoints restore.
+  """
+  compressor = optimizer._tf_dct_compressor  # pylint: disable=protected-access
+  if len(compressor.phase_starts()) == 1 or not tf.executing_eagerly():
+    yield None
+    return
+  with compressor.in_phase(int(optimizer.iterations.numpy())) as key:
+    yield key
+
+
+def phase_callback(optimizer):
+  """A Keras callback that makes `model.fit` run each phase's own step.
+
+  `fit` traces its train function once; a compressor with phases (e.g.
+  `warmup_steps > 0`) would then decide its phase in the graph and issue
+  the dense all-reduce and its own exchange on every step. With this
+  callback in `fit(callbacks=[...])` the train function is traced again at
+  each phase boundary (at most once per phase and callback), so a dense
+  step sends only the dense all-reduce and a compressed step only the
+  exchange. `optimizer` is the wrapped optimizer; tf-keras or Keras 3.
+  """
+  if not is_wrapped(optimizer):
+    raise ValueError("phase_callback: optimizer is not wrapped by "
+                     "tf_dct.wrap_optimizer")
+  from tf_dct.keras import tf_keras_optimizer  # pylint: disable=g-import-not-at-top
+  if tf_keras_optimizer.accepts(optimizer):
+    import tf_keras as flavour  # pylint: disable=g-import-not-at-top
+  else:
+    import keras as flavour  # pylint: disable=g-import-not-at-top
+  compressor = optimizer._tf_dct_compressor  # pylint: disable=protected-access
+
+  class PhaseCallback(flavour.callbacks.Callback):
+    """Retraces `fit`'s train function when the compressor's phase changes."""
+
+    def __init__(self):
+      super().__init__()
+      self._built = (None, None)  # (train function, the phase it was traced in)
+
+    def on_train_batch_begin(self, batch, logs=None):
+      del batch, logs
+      if len(compressor.phase_starts()) == 1:
+        return
+      phase = compressor.phase_for(int(optimizer.iterations.numpy()))
+      compressor.phase = phase
+      if self._built != (self.model.train_function, phase):
+        self.model.make_train_function(force=True)
+        self._built = (self.model.train_function, phase)
+
+    def on_train_end(self, logs=None):
+      del logs
+      compressor.phase = None
+
+  return PhaseCallback()
+
+
 def _sgd_momentum(optimizer):
   """(momentum, nesterov) of a tf-keras or Keras 3 SGD optimizer, else None."""
   if type(optimizer).__name__ != "SGD" or not hasattr(optimizer, "momentum"):
