@@ -552,7 +552,25 @@ def run(models: Sequence[str], optimizers: Sequence[str], compressors: Sequence[
 
 
 def _split(text: str) -> list[str]:
-  return [t.strip() for t in text.split(",") if t.strip()]
+  """Comma-separated items; commas inside brackets or quotes stay (a spec's
+  value may be a tuple, e.g. `dct+sparsity_schedule=((50,0.75),(50,0.9))`)."""
+  items, depth, quote, current = [], 0, None, []
+  for ch in text:
+    if quote:
+      quote = None if ch == quote else quote
+    elif ch in "'\"":
+      quote = ch
+    elif ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == "," and depth == 0:
+      items.append("".join(current))
+      current = []
+      continue
+    current.append(ch)
+  items.append("".join(current))
+  return [t.strip() for t in items if t.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -260,6 +260,9 @@ class AsyncValidationTest(tf.test.TestCase):
     with self.assertRaisesRegex(ValueError, r"Adam correction \(adam=True\) "
                                 r"is not available here"):
       AsyncPush(object(), DCTDP(adam=True))
+    with self.assertRaisesRegex(ValueError, r"AsyncPush: workers push on "
+                                r"their own clocks, so a sparsity_schedule"):
+      AsyncPush(object(), DCTDP(sparsity_schedule=[(5, 0.9)]))
 
 
 def run_tail(run) -> str:

@@ -225,6 +225,14 @@ class FlagsTest(parameterized.TestCase):
     self.assertEqual(quick.model_list, ["ncf"])
     self.assertEqual(quick.compressor_list, ["dense", "dct"])  # dense always runs
 
+  def test_spec_values_may_hold_commas(self):
+    args = quality.parse_args(
+        ["--compressors=dct+sparsity_schedule=((5,0.75),(5,0.9)),topk"])
+    self.assertEqual(args.compressor_list,
+                     ["dense", "dct+sparsity_schedule=((5,0.75),(5,0.9))", "topk"])
+    comp, _, _ = quality.build_compressor(args.compressor_list[1])
+    self.assertEqual(comp.sparsity_schedule, ((5, 0.75), (5, 0.9)))
+
   def test_paper_specs_and_extra_keywords(self):
     self.assertEqual(quality.parse_compressor("dct_paper+sparsity=0.9"),
                      ("dct", {**quality.PAPER, "sparsity": 0.9}))

@@ -6,7 +6,8 @@ statistic w_m with m = floor(n * sparsity), i.e. the k-th largest with
 k = n - m (threshold 0 when m = 0), `>=` mask
 (ties selected) over the non-zero entries (a zero carries nothing), at most C entries on the wire (the first ones in flat order),
 threshold refresh when (k - warmup_steps) % L == 0, dense steps (warmup or
-n < min_size) that send g + E and clear E.
+n < min_size) that send g + E and clear E. A sparsity schedule (steps,
+sparsity) runs its stages after the warm-up, each starting with a refresh.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ class ReferenceStep:
 
 
 def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
-                     capacity_factor, min_size=0, warmup_steps=0, min_count=0):
+                     capacity_factor, min_size=0, warmup_steps=0, min_count=0,
+                     sparsity_schedule=()):
   """Runs DCT-DP on a fixed gradient sequence of one variable.
 
   Args:
     grads_per_step_per_replica: grads[t][r] is replica r's gradient at step t
       (all the same shape and float dtype).
     sparsity, threshold_life, capacity_factor, min_size, warmup_steps,
-      min_count: as in `DCTDP` (min_count 0: Algorithm 1 as written).
+      min_count, sparsity_schedule: as in `DCTDP` (min_count 0: Algorithm 1
+      as written; the schedule as a phase driver runs it).
 
   Returns:
     A list of `ReferenceStep`, one per step.
@@ -56,12 +59,21 @@ def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
   shape, dtype = first.shape, first.dtype
   n = first.size
   replicas = len(grads_per_step_per_replica[0])
-  m = reference_below(n, sparsity, min_count)
-  cap = reference_capacity(n, sparsity, capacity_factor, min_count)
+  stages, start = [], warmup_steps  # (first step, sparsity) after warmup
+  for steps, stage_sparsity in sparsity_schedule:
+    stages.append((start, stage_sparsity))
+    start += steps
+  stages.append((start, sparsity))
   residual = [np.zeros(n, dtype) for _ in range(replicas)]
   tau = [dtype.type(0) for _ in range(replicas)]
   out = []
   for k, grads in enumerate(grads_per_step_per_replica):
+    begins, now = stages[0]  # the stage that step k is in
+    for first, stage_sparsity in stages:
+      if first <= k:
+        begins, now = first, stage_sparsity
+    m = reference_below(n, now, min_count)
+    cap = reference_capacity(n, now, capacity_factor, min_count)
     step = ReferenceStep([], [], [], [], np.zeros(n, np.float64))
     for r in range(replicas):
       g = np.asarray(grads[r], dtype).reshape(-1)
@@ -70,7 +82,7 @@ def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
         selected = np.ones(n, bool)
         sent_mask = selected
       else:
-        if (k - warmup_steps) % threshold_life == 0:          # line 3
+        if (k - warmup_steps) % threshold_life == 0 or k == begins:  # line 3
           w = np.sort(np.abs(acc))                            # line 4, ascending
           tau[r] = w[m] if m >= 1 else dtype.type(0)          # line 5, 0-based w_m
         selected = (np.abs(acc) >= tau[r]) & (acc != 0)       # line 9, zeros carry nothing

@@ -18,6 +18,7 @@ from tf_dct import compression
 from tf_dct import keras as dct_keras
 from tests import util
 from tests.compression import harness
+from tests.compression import reference
 
 
 def setUpModule():
@@ -153,6 +154,57 @@ class PhasesTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllClose(sent + held, fed, atol=1e-5, rtol=0)
       for t in range(WARMUP):  # nothing is held back in the dense phase
         self.assertAllEqual(history[t][1][v]["residual"][0], np.zeros(shape))
+
+
+class SparsityScheduleTest(tf.test.TestCase, parameterized.TestCase):
+
+  def test_phases_of_a_schedule(self):
+    comp = compression.DCTDP(0.99, warmup_steps=3,
+                             sparsity_schedule=[(4, 0.75), (5, 0.9375)])
+    self.assertEqual(comp.phase_starts(), (0, 3, 7, 12))
+    self.assertEqual([comp.phase_is_dense(p) for p in range(4)],
+                     [True, False, False, False])
+    sparsities = []
+    for step in (0, 3, 6, 7, 12, 1000):
+      with comp.in_phase(step):
+        sparsities.append(comp._phase_sparsity())  # pylint: disable=protected-access
+    self.assertEqual(sparsities, [0.99, 0.75, 0.75, 0.9375, 0.99, 0.99])
+    without_warmup = compression.DCTDP(0.99, sparsity_schedule=[(4, 0.75)])
+    self.assertEqual(without_warmup.phase_starts(), (0, 4))
+    self.assertFalse(without_warmup.phase_is_dense(0))
+
+  @parameterized.named_parameters(("native", None), ("stock", False))
+  def test_matches_numpy_reference(self, native):
+    # Warm-up, two stages and the final sparsity, each stage starting with a
+    # fresh tau; a long threshold life otherwise (no other refresh).
+    settings = dict(sparsity=0.9, threshold_life=100, capacity_factor=1.5,
+                    warmup_steps=1, sparsity_schedule=((2, 0.5), (2, 0.7)))
+    grads = harness.gradients(7, 2, seed=3)
+    comp = compression.DCTDP(density_band=None, min_count=0, native=native,
+                             **settings)
+    _, _, _, history = harness.run(comp, grads, 2, phases=True)
+    for v in range(len(harness.SHAPES)):
+      ref = reference.dct_dp_reference([[g[v] for g in step] for step in grads],
+                                       **settings)
+      for t, (want, (out, states)) in enumerate(zip(ref, history)):
+        for r in range(2):
+          self.assertAllClose(out[r][v], want.update, atol=1e-6, rtol=0,
+                              msg=f"var {v} step {t}")
+          self.assertAllClose(states[v]["residual"][r], want.residuals[r],
+                              atol=1e-6, rtol=0, msg=f"var {v} step {t}")
+
+  def test_bad_schedules_are_rejected(self):
+    for schedule, pattern in (
+        (5, r"sparsity_schedule must be a sequence of pairs \(steps, "
+            r"sparsity\), got 5"),
+        ("ab", r"sparsity_schedule must be a sequence of pairs"),
+        ([(0, 0.5)], r"sparsity_schedule\[0\] steps must be an int >= 1, "
+                     r"got 0"),
+        ([(3, 0.5), (2, 1.0)], r"sparsity_schedule\[1\] sparsity must be a "
+                               r"number in \(0, 1\), got 1.0"),
+        ([(3,)], r"sparsity_schedule must be a sequence of pairs")):
+      with self.assertRaisesRegex(ValueError, "DCTDP: " + pattern):
+        compression.DCTDP(sparsity_schedule=schedule)
 
 
 class KerasPhasesTest(tf.test.TestCase, parameterized.TestCase):

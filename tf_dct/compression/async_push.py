@@ -116,6 +116,10 @@ class AsyncPush:
       raise ValueError("AsyncPush: the servers apply plain SGD pushes; "
                        f"momentum correction (momentum={compressor.momentum}) "
                        "is not available here, pass DCTDP(momentum=0)")
+    if isinstance(compressor, dct_dp.DCTDP) and compressor.sparsity_schedule:
+      raise ValueError("AsyncPush: workers push on their own clocks, so a "
+                       "sparsity_schedule has no common step; pass a DCTDP "
+                       "without one")
     if isinstance(compressor, dct_dp.DCTDP) and compressor.adam:
       raise ValueError("AsyncPush: the servers apply plain SGD pushes; Adam "
                        "correction (adam=True) is not available here, pass "

@@ -183,8 +183,9 @@ class Compressor(tf.Module):
     return sum(1 for start in self.phase_starts()[1:] if step >= start)
 
   def phase_is_dense(self, phase: int) -> bool:
-    """Whether every replica sends its whole accumulator in `phase`."""
-    return len(self.phase_starts()) > 1 and phase == 0
+    """Whether every replica sends its whole accumulator in `phase`: the
+    warm-up, the first phase when `warmup_steps` > 0."""
+    return phase == 0 and bool(getattr(self, "warmup_steps", 0))
 
   @contextlib.contextmanager
   def in_phase(self, step: int):

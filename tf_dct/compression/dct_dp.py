@@ -196,6 +196,22 @@ def order_statistic_threshold(magnitudes: tf.Tensor, m: int) -> tf.Tensor:
   return tf.math.top_k(magnitudes, k=k, sorted=True).values[k - 1]
 
 
+def _check_schedule(schedule) -> tuple[tuple[int, float], ...]:
+  """Returns `schedule` as ((steps, sparsity), ...), or raises naming it."""
+  try:
+    pairs = tuple((steps, sparsity) for steps, sparsity in schedule)
+  except (TypeError, ValueError):
+    pairs = None
+  if pairs is None or isinstance(schedule, (str, bytes)):
+    raise ValueError("DCTDP: sparsity_schedule must be a sequence of pairs "
+                     f"(steps, sparsity), got {schedule!r}")
+  for i, (steps, sparsity) in enumerate(pairs):
+    _check(f"sparsity_schedule[{i}] steps", steps, numbers.Integral, 1, False)
+    _check(f"sparsity_schedule[{i}] sparsity", sparsity, numbers.Real, 0,
+           True, 1, True)
+  return tuple((int(steps), float(sparsity)) for steps, sparsity in pairs)
+
+
 def _check_band(band):
   """Returns `band` as a float pair, or raises ValueError naming density_band."""
   if band is None:
@@ -273,6 +289,12 @@ class DCTDP(Compressor):
     adam_select: "normalized" (default: error feedback and selection on the
       Adam-scaled gradient) or "raw" (on the gradient, the scale applied
       after the exchange).
+    sparsity_schedule: ((steps, sparsity), ...) stages run in order after
+      the warm-up, before `sparsity` holds for the rest of training (DGC's
+      sparsity warm-up, e.g. ((500, 0.75), (500, 0.9375), (500, 0.984)));
+      each stage is a phase and starts with a fresh threshold. A step traced
+      without its phase (no driver, see the module docstring) uses
+      `sparsity`.
     adam_first_moment: "replica" (default: each replica keeps Adam's first
       moment of its own gradients and error feedback works on it, DGC's
       momentum correction for Adam) or "aggregate" (m averages what was
@@ -290,7 +312,8 @@ class DCTDP(Compressor):
                momentum: float | None = None, momentum_masking: bool = False,
                adam: bool | None = None, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
-               adam_first_moment: str = "replica"):
+               adam_first_moment: str = "replica",
+               sparsity_schedule: Sequence[tuple[int, float]] = ()):
     super().__init__(name=name, exclude=exclude)
     self.sparsity = float(_check("sparsity", sparsity, numbers.Real, 0, True,
                                  1, True))
@@ -302,6 +325,7 @@ class DCTDP(Compressor):
     self.warmup_steps = int(_check("warmup_steps", warmup_steps,
                                    numbers.Integral, 0, False))
     self.density_band = _check_band(density_band)
+    self.sparsity_schedule = _check_schedule(sparsity_schedule)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     self._init_momentum(momentum, momentum_masking)
@@ -319,6 +343,31 @@ class DCTDP(Compressor):
                          "built or loaded here (see the logged warning); pass "
                          "native=None or False to use stock TensorFlow ops")
     self.native = native
+
+  def phase_starts(self) -> tuple[int, ...]:
+    """The warm-up (if any), each stage of `sparsity_schedule`, then
+    `sparsity` for the rest of training."""
+    durations = ([self.warmup_steps] if self.warmup_steps else []) + [
+        steps for steps, _ in self.sparsity_schedule]
+    starts = [0]
+    for steps in durations:
+      starts.append(starts[-1] + steps)
+    return tuple(starts)
+
+  def _phase_sparsity(self) -> float:
+    """The sparsity of the phase being traced (`sparsity` without one)."""
+    stage = (-1 if self.phase is None
+             else self.phase - (1 if self.warmup_steps else 0))
+    if 0 <= stage < len(self.sparsity_schedule):
+      return self.sparsity_schedule[stage][1]
+    return self.sparsity
+
+  def _phase_start(self) -> int | None:
+    """The value of the step counter k (compressed steps) at the start of
+    the compressed phase being traced; None without a phase."""
+    if self.phase is None:
+      return None
+    return self.phase_starts()[self.phase] - self.warmup_steps
 
   def _is_dense(self, variable) -> bool:
     n = variable.shape.num_elements()
@@ -475,7 +524,11 @@ class DCTDP(Compressor):
     """Per variable (from the step counters k): (warm, due), warm None
     without warmup; due: the schedule refreshes tau (line 3)."""
     if not self.in_graph_warmup:
-      return None, k % self.threshold_life == 0                  # DCT Algorithm 1 line 3
+      due = k % self.threshold_life == 0                        # DCT Algorithm 1 line 3
+      start = self._phase_start()
+      if start:  # a new stage of the sparsity schedule: a fresh tau
+        due = tf.logical_or(due, tf.equal(k, start))
+      return None, due
     warm = k < self.warmup_steps
     return warm, tf.logical_and(
         tf.logical_not(warm),
@@ -487,12 +540,13 @@ class DCTDP(Compressor):
     variables' dtype) as [V] tensors."""
     variables = [v for _, v, _, _ in group]
     sizes = [v.shape.num_elements() for v in variables]
+    sparsity = self._phase_sparsity()
     # `unpack_scalars` for the whole group at once: one [V, 4] matrix.
     scalars = tf.stack([value["scalars"] for _, _, _, value in group])
     return ([acc for acc, _, _, _ in group], variables,
             [st for _, _, st, _ in group], sizes,
-            [num_below(n, self.sparsity, self.min_count) for n in sizes],
-            [capacity(n, self.sparsity, self.capacity_factor, self.min_count)
+            [num_below(n, sparsity, self.min_count) for n in sizes],
+            [capacity(n, sparsity, self.capacity_factor, self.min_count)
              for n in sizes],
             tf.cast(scalars[:, SCALARS.index("step")], tf.int64),
             tf.cast(scalars[:, SCALARS.index("threshold")], variables[0].dtype))
