@@ -41,7 +41,9 @@ Prints:
     Dense, n = 4, no network (logical CPUs share memory): interleaved timed
     blocks, median. DCT-DP runs its native kernels where they build
     (tf_dct.ops.native); `--compressors='DCTDP(L=1000,stock)'` adds the
-    same compressor on stock TensorFlow ops, for an A/B in one run.
+    same compressor on stock TensorFlow ops, for an A/B in one run, and
+    `--compressors='DCTDP(L=1000,warmup phase)'` DCT-DP in its dense warm-up
+    phase (each phase is its own traced step).
 
 Usage:
   python bench/compression.py            # full
@@ -104,8 +106,10 @@ DENSE_IN, INTER = 13, 351          # 16 + 351 = 367 top-MLP input
 NAMES = ["Dense", "DCTDP(L=1000)", "DCTDP(L=1000,cf=1)", "DCTDP(L=1000,min=1024)",
          "DCTDP(L=1)", "DEFT", "TopK", "CLTK", "HardThreshold"]
 # Timed only when asked for (--step_time_only --compressors=...): DCT-DP with
-# stock TensorFlow ops instead of the native kernels, for an A/B in one run.
-EXTRA = ["DCTDP(L=1000,stock)"]
+# stock TensorFlow ops instead of the native kernels, for an A/B in one run;
+# DCT-DP held in its dense warm-up phase (a warm-up longer than any run),
+# the step time of that phase beside Dense and the compressed phase.
+EXTRA = ["DCTDP(L=1000,stock)", "DCTDP(L=1000,warmup phase)"]
 
 flags.register_validator(
     "batch_size", lambda b: b % NUM_CPUS == 0,
@@ -121,6 +125,8 @@ def make_compressor(name, lam):
           "DCTDP(L=1000)": lambda: compression.DCTDP(0.99, threshold_life=1000),
           "DCTDP(L=1000,stock)": lambda: compression.DCTDP(
               0.99, threshold_life=1000, native=False),
+          "DCTDP(L=1000,warmup phase)": lambda: compression.DCTDP(
+              0.99, threshold_life=1000, warmup_steps=10**9),
           # capacity_factor=1: wire slots = k exactly; what a reused tau
           # selects beyond k stays in the residual (counted as overflow).
           "DCTDP(L=1000,cf=1)": lambda: compression.DCTDP(
