@@ -9,7 +9,7 @@ nothing of Keras; `tf_dct.keras` adapts each Keras flavour to this interface.
 
 Phases: a compressor with `warmup_steps > 0` has two, dense (steps before
 `warmup_steps`) then compressed. A driver that knows the step
-(`Replicator.run` through `wrap_optimizer`, `tf_dct.keras.PhaseCallback` for
+(`Replicator.run` through `wrap_optimizer`, `tf_dct.keras.phase_callback` for
 `fit`) traces one step function per phase under `in_phase`, so a dense step
 issues only the dense all-reduce and a compressed one only the compressor's
 exchange. Traced without a driver (`phase` None), each step decides in the
@@ -565,8 +565,7 @@ class Compressor(tf.Module):
         m, q = adam_correction.first_moment_step(
             st["adam_m"].local().read_value(), t, q, beta_1)
       pending[i] = (v, t, m)
-      if self.adam_select == "normalized" or m is not None:
-        out[i] = q
+      out[i] = q
     return out, pending
 
   def _adam_after(self, results, variables, states, pending) -> list:
