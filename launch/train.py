@@ -79,6 +79,10 @@ flags.DEFINE_float("density", None,
 flags.DEFINE_float("threshold", None, "Hard-threshold lambda >= 0 (--compression=threshold). "
                    "Default 1e-3.")
 flags.DEFINE_integer("warmup_steps", 0, "Dense aggregation steps before compression starts.")
+flags.DEFINE_list("sparsity_schedule", [],
+                  "--compression=dct: stages of lower sparsity after the warm-up, each "
+                  "steps:sparsity (e.g. 13:0.75,13:0.9375), then --sparsity for the rest "
+                  "(DGC's sparsity warm-up); each stage is a phase of its own.")
 flags.DEFINE_integer("min_size", 0, "Variables with fewer entries are always aggregated densely.")
 flags.DEFINE_integer("min_count", None,
                      "dct/deft/topk: every compressed variable sends at least "
@@ -100,6 +104,10 @@ flags.DEFINE_list("compression_exclude", [],
                   "Regular expressions; variables whose names match one are all-reduced as "
                   "they are (embedding IndexedSlices all-gathered), not compressed. E.g. "
                   "'embedding' compresses only DLRM's MLPs, as DCT §3.1 does.")
+flags.DEFINE_enum("sparse_gradients", "auto", ("auto", "stock", "compress"),
+                  "Embedding tables' IndexedSlices gradients: stock sends the touched rows "
+                  "as TF does (exact, an all-gather); compress compresses the table; auto "
+                  "picks per table whichever moves fewer bytes.")
 flags.DEFINE_float("mp_sparsity", None, "DCT-MP sparsity in [0, 1) at --mp_splits. Default 0.9.")
 flags.DEFINE_string("mp_splits", None,
                     "Comma list of the model's split points to insert a DCTSplit at, 'paper' "
@@ -128,8 +136,9 @@ FLAGS = flags.FLAGS
 # Launcher settings resolved per model/preset (flags defaulting to None).
 SETTINGS = (*registry.COMMON_DEFAULTS, "learning_rate")
 PLAIN = ("model", "config", "data_dir", "replicator", "tpu", "compression", "warmup_steps",
+         "sparsity_schedule",
          "min_size", "min_count", "momentum_correction", "adam_correction",
-         "compression_exclude", "model_dir",
+         "compression_exclude", "sparse_gradients", "model_dir",
          "loop", "seed")
 
 
@@ -208,6 +217,29 @@ def _parse_splits(cfg: dict, spec) -> list[str]:
   return [p for p in points if p in names]  # forward order
 
 
+def parse_schedule(items, comp: str) -> tuple[tuple[int, float], ...]:
+  """--sparsity_schedule's steps:sparsity items as ((steps, sparsity), ...);
+  raises FlagError naming the flag and the allowed values."""
+  if not items:
+    return ()
+  if isinstance(items, tuple) and all(isinstance(i, tuple) for i in items):
+    return items  # already parsed
+  if comp != "dct":
+    raise FlagError(f"--sparsity_schedule is for --compression=dct, not --compression={comp}")
+  out = []
+  for item in items:
+    steps, sep, sparsity = str(item).partition(":")
+    try:
+      pair = (int(steps), float(sparsity))
+    except ValueError:
+      pair = None
+    if not sep or pair is None or pair[0] < 1 or not 0 < pair[1] < 1:
+      raise FlagError(f"--sparsity_schedule: each item must be steps:sparsity with steps >= 1 "
+                      f"and sparsity in (0, 1), got {item!r}")
+    out.append(pair)
+  return tuple(out)
+
+
 def validate(cfg: dict) -> None:
   """Every check that needs no TensorFlow device; raises FlagError."""
   spec = registry.get(cfg["model"])
@@ -223,6 +255,7 @@ def validate(cfg: dict) -> None:
                     f"of {OPTIMIZERS}")
   _in_range(cfg, "learning_rate", 0, None, True, True)
   comp = cfg["compression"]
+  cfg["sparsity_schedule"] = parse_schedule(cfg.get("sparsity_schedule") or (), comp)
   min_count = cfg.get("min_count")
   if min_count is not None:
     if comp not in SPARSIFIERS:
@@ -298,7 +331,8 @@ def make_compressor(cfg: dict):
     return None
   cls = getattr(tf_dct.compression, COMPRESSOR_CLASSES[comp])
   common = {"min_size": cfg["min_size"], "warmup_steps": cfg["warmup_steps"],
-            "exclude": tuple(cfg.get("compression_exclude") or ())}
+            "exclude": tuple(cfg.get("compression_exclude") or ()),
+            "sparse_gradients": cfg.get("sparse_gradients", "auto")}
   if comp in SPARSIFIERS:
     if cfg.get("min_count") is not None:
       common["min_count"] = cfg["min_count"]
@@ -316,7 +350,8 @@ def make_compressor(cfg: dict):
       elif "adam_correction" in cfg.get("explicit", ()):
         common["adam"] = None
   if comp == "dct":
-    return cls(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"], **common)
+    return cls(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"],
+               sparsity_schedule=cfg.get("sparsity_schedule") or (), **common)
   if comp == "threshold":
     extra = ({"capacity_density": cfg["density"]} if "density" in cfg["explicit"] else {})
     return cls(threshold=cfg["threshold"], **extra, **common)
@@ -773,8 +808,12 @@ class Job:
         "replicas": self.repl.num_replicas,
         "devices_per_replica": self.repl.num_devices_per_replica,
         "compression": cfg["compression"], "mp_splits": list(cfg["splits"]),
-        "adam_correction": bool(self.compressor is not None and getattr(
-            self.compressor, "_adam_hparams", None)),
+        "adam_correction": bool(self.compressor is not None
+                                and self.compressor.corrects_adam),
+        "sent_as_rows": [v.name.split(":")[0] for v in self.model.trainable_variables
+                         if self.compressor is not None
+                         and self.compressor.sends_as_is(v)
+                         and not self.compressor.is_excluded(v)],
         "start_step": self.start_step, "steps": steps, "losses": list(self.losses),
         "first_loss": self.losses[0] if self.losses else None,
         "final_loss": self.losses[-1] if self.losses else None,
@@ -797,6 +836,8 @@ def print_table(s: dict, cfg: dict) -> None:
   options = []
   if comp == "dct":
     options.append(f"sparsity {cfg['sparsity']}, L={cfg['threshold_life']}")
+    if cfg.get("sparsity_schedule"):
+      options.append("schedule " + ",".join(f"{n}:{x}" for n, x in cfg["sparsity_schedule"]))
   elif comp in ("deft", "topk", "cltk"):
     options.append(f"density {cfg['density']}")
   elif comp == "threshold":
@@ -822,6 +863,9 @@ def print_table(s: dict, cfg: dict) -> None:
       ("steps", f"{s['steps']} ({s['steps'] - s['start_step']} this run)"),
       ("loss first -> final", f"{fmt(s['first_loss'])} -> {fmt(s['final_loss'])}"),
   ]
+  if s["compression"] != "none":
+    rows.insert(3, ("embedding rows sent as stock TF", ", ".join(s.get("sent_as_rows", ()))
+                    or f"none (--sparse_gradients={cfg.get('sparse_gradients', 'auto')})"))
   for name, value in s["eval"].items():
     rows.append((f"eval {name}", f"{value:.4f}"))
   c = s["communication"]

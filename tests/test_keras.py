@@ -85,14 +85,7 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
       if wrap:
         opt = strategy.wrap_optimizer(opt, compression=compressor)
 
-    def step_fn(batch):
-      xb, yb = batch
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tf.square(model(xb) - yb)) / 8.0
-      grads = tape.gradient(loss, model.trainable_variables)
-      opt.apply_gradients(zip(grads, model.trainable_variables))
-      return loss
-
+    step_fn = util.squared_error_step(model, opt, 8)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
     dist = iter(strategy.experimental_distribute_dataset(ds))
     step = tf.function(lambda b: strategy.run(step_fn, args=(b,)))
@@ -148,15 +141,26 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
     self.assertIsInstance(k.optimizers.deserialize(config), k.optimizers.Adam)
 
   @parameterized.parameters("tf_keras", "keras3")
-  def test_communication_stats_passthrough(self, flavour):
+  def test_stats_and_state_lookup(self, flavour):
     k = FLAVOURS[flavour]
     compressor = compression.DCTDP(sparsity=0.5, threshold_life=2)
-    _, opt = self._custom_loop(k, tf_dct.Replicator(self.devices), wrap=True,
-                               compressor=compressor, steps=2)
+    model, opt = self._custom_loop(k, tf_dct.Replicator(self.devices),
+                                   wrap=True, compressor=compressor, steps=2)
     stats = opt.communication_stats()
     self.assertEqual(stats, compressor.communication_stats())
     self.assertEqual(stats, tf_dct.keras.communication_stats(opt))
     self.assertEqual(stats["steps"], [2] * 4)
+    # The model's own variables (Keras 3: keras.Variable) look up the state
+    # the aggregation keyed by the backing tf.Variable.
+    for v in model.trainable_variables:
+      backing = getattr(v, "value", v) if flavour == "keras3" else v
+      got, want = compressor.state_values(v), compressor.state_values(backing)
+      self.assertEqual(sorted(got), sorted(want))
+      self.assertEqual(list(want["step"]), [2] * 4)
+      for key in want:
+        self.assertAllEqual(got[key], want[key])
+      self.assertIs(compressor.state_for(v), compressor.state_for(backing))
+      self.assertFalse(compressor.sends_as_is(v))
     self.assertLen(stats["variables"], 4)
     self.assertTrue(all(b > 0 for b in stats["total"]["bytes_sent"]))
     # The default (dense) aggregation reports too: density 1.
@@ -184,13 +188,8 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
       del replica_id
       return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
 
-    def step_fn(batch):
-      traces.append(1)  # Python side effect: runs once per trace
-      xb, yb = batch
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tf.square(model(xb) - yb)) / 8.0
-      grads = tape.gradient(loss, model.trainable_variables)
-      opt.apply_gradients(zip(grads, model.trainable_variables))
+    # A Python side effect: runs once per trace.
+    step_fn = util.squared_error_step(model, opt, 8, lambda: traces.append(1))
 
     for _ in range(2):
       repl.run(step_fn, input_fn)
@@ -214,12 +213,7 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
     opt.build(model.trainable_variables)
     x, y = _data()
 
-    def step_fn(batch):
-      xb, yb = batch
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tf.square(model(xb) - yb)) / 32.0
-      grads = tape.gradient(loss, model.trainable_variables)
-      opt.apply_gradients(zip(grads, model.trainable_variables))
+    step_fn = util.squared_error_step(model, opt, 32)
 
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
     input_fn = lambda ctx: data

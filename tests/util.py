@@ -27,3 +27,19 @@ def local(strategy, value):
   """Per-replica results of `value` as a list of numpy arrays (nested ok)."""
   return [tf.nest.map_structure(lambda t: t.numpy(), v)
           for v in strategy.experimental_local_results(value)]
+
+
+def squared_error_step(model, optimizer, batch_size: int, before=None):
+  """A replica's step function: summed squared error over `batch_size`
+  (the global batch), gradients applied with `optimizer`; returns the loss.
+  `before()`, if given, runs first (e.g. to record a trace)."""
+  def step_fn(batch):
+    if before is not None:
+      before()
+    x, y = batch
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(tf.square(model(x) - y)) / batch_size
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+  return step_fn

@@ -250,14 +250,8 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
 
     @tf.function
     def train_step(iterator):
-      def step_fn(batch):
-        bx, by = batch
-        with tf.GradientTape() as tape:
-          loss = tf.reduce_sum(tf.square(model(bx) - by)) / 16
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-      return repl.run(step_fn, args=(next(iterator),))
+      return repl.run(util.squared_error_step(model, opt, 16),
+                      args=(next(iterator),))
 
     iterator = iter(repl.experimental_distribute_dataset(data))
 

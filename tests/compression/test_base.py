@@ -1,8 +1,11 @@
-"""tf_dct.compression.base: `exclude` (variables aggregated as they are)."""
+"""tf_dct.compression.base: `exclude` and `sparse_gradients` (variables
+aggregated as they are)."""
 
 from absl.testing import parameterized
+import keras
 import numpy as np
 import tensorflow as tf
+import tf_keras
 
 import tf_dct
 from tf_dct import compression
@@ -91,6 +94,164 @@ class ExcludeTest(tf.test.TestCase, parameterized.TestCase):
     for make in COMPRESSORS.values():
       with self.assertRaisesRegex(ValueError, "exclude"):
         make(exclude=exclude)
+
+
+# Two tables fed IndexedSlices: "wide" (2000 x 8) with 4 rows touched per
+# replica, where TF's all-gather of the rows is far cheaper than any
+# compressed exchange, and "tall" (100 x 4) with 64 rows touched, where the
+# rows cost more than the compressed exchange (at 0.99 / density 0.01).
+TABLES = {"wide": (2000, 8, 4), "tall": (100, 4, 64)}
+SPARSE = {
+    "DCTDP": lambda **kw: compression.DCTDP(sparsity=0.99, **kw),
+    "DEFT": lambda **kw: compression.DEFT(density=0.01, **kw),
+    "TopK": lambda **kw: compression.TopK(density=0.01, **kw),
+    "CLTK": lambda **kw: compression.CLTK(density=0.01, **kw),
+    "HardThreshold": lambda **kw: compression.HardThreshold(
+        0.5, capacity_density=0.01, **kw),
+}
+
+
+def _stock_ring_bytes(rows, width, replicas=REPLICAS):
+  """(n - 1) * (4 + rows * (4 width + 4)): TF's all-gather of int32 ids."""
+  return (replicas - 1) * (4 + rows * (4 * width + 4))
+
+
+def _sparse_run(compressor, steps=2, jit_compile=False):
+  """Feeds both TABLES IndexedSlices gradients; returns per step the
+  per-replica aggregates (dense) and the exact sums, and the tables."""
+  rng = np.random.default_rng(1)
+  feeds = {name: (rng.integers(0, n, size=(steps, REPLICAS, k)).astype(np.int32),
+                  rng.normal(size=(steps, REPLICAS, k, w)).astype(np.float32))
+           for name, (n, w, k) in TABLES.items()}
+  replicas = 1 if jit_compile else REPLICAS
+  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
+                           input_replication=tf_dct.PER_REPLICA,
+                           jit_compile=jit_compile)
+  compressor.bind(repl)
+  with repl.scope():
+    tables = {name: tf.Variable(tf.zeros([n, w]), name=name)
+              for name, (n, w, _) in TABLES.items()}
+
+  def input_fn(replica_id):
+    return tf.data.Dataset.from_tensor_slices(
+        {name: (ids[:, replica_id], vals[:, replica_id])
+         for name, (ids, vals) in feeds.items()})
+
+  def step_fn(batch):
+    pairs = [(tf.IndexedSlices(batch[name][1], batch[name][0],
+                               tf.constant(list(TABLES[name][:2]))),
+              tables[name]) for name in TABLES]
+    return [tf.convert_to_tensor(g) for g, _ in compressor.aggregate(pairs)]
+
+  out = [util.local(repl, repl.run(step_fn, input_fn)) for _ in range(steps)]
+  exact = []
+  for t in range(steps):
+    sums = []
+    for name, (n, w, _) in TABLES.items():
+      total = np.zeros([n, w], np.float32)
+      for r in range(replicas):
+        np.add.at(total, feeds[name][0][t, r], feeds[name][1][t, r])
+      sums.append(total)
+    exact.append(sums)
+  return out, exact, tables
+
+
+class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(*[(name, name) for name in SPARSE])
+  def test_auto_sends_rows_as_tf_does_where_cheaper(self, name):
+    compressor = SPARSE[name]()
+    out, exact, tables = _sparse_run(compressor)
+    wide, tall = tables["wide"], tables["tall"]
+    self.assertTrue(compressor.sends_as_is(wide))
+    self.assertFalse(compressor.sends_as_is(tall))
+    stats = compressor.communication_stats()["variables"]
+    # The wide table went as TF sends it: exact sums, stock bytes.
+    for t, sums in enumerate(exact):
+      for r in range(REPLICAS):
+        self.assertAllClose(out[t][r][0], sums[0], atol=1e-6, rtol=0)
+    self.assertEqual(stats["wide"]["last"]["bytes_sent"],
+                     [_stock_ring_bytes(4, 8)] * REPLICAS)
+    # The tall table was compressed, for fewer bytes than its rows cost.
+    self.assertLess(stats["tall"]["last"]["bytes_sent"][0],
+                    _stock_ring_bytes(64, 4))
+    self.assertNotAllClose(out[0][0][1], exact[0][1])
+    if name != "DEFT":  # its figure is an estimate (`DEFT.compressed_bytes`)
+      gather, reduce = compressor.compressed_bytes(tall)
+      self.assertEqual(stats["tall"]["last"]["payload_bytes"],
+                       [gather + reduce] * REPLICAS)
+    # Its residual holds what was not sent; the wide table's state is unused.
+    self.assertGreater(np.abs(compressor.state_values(tall)["residual"]).sum(), 0)
+    self.assertAllEqual(compressor.state_values(wide)["residual"],
+                        np.zeros([REPLICAS, 2000, 8]))
+
+  @parameterized.parameters("stock", "compress")
+  def test_fixed_choices(self, choice):
+    compressor = compression.DCTDP(sparsity=0.99, sparse_gradients=choice)
+    out, exact, tables = _sparse_run(compressor, steps=1)
+    for name, table in tables.items():
+      self.assertEqual(compressor.sends_as_is(table), choice == "stock", name)
+    exact_tall = np.allclose(out[0][0][1], exact[0][1], atol=1e-6)
+    self.assertEqual(exact_tall, choice == "stock")
+
+  def test_auto_compresses_under_xla(self):
+    # TF's all-gather of IndexedSlices has no XLA kernel.
+    compressor = compression.DCTDP(sparsity=0.99)
+    _, _, tables = _sparse_run(compressor, steps=1, jit_compile=True)
+    for table in tables.values():
+      self.assertFalse(compressor.sends_as_is(table))
+
+  @parameterized.named_parameters(*[(name, name) for name in SPARSE])
+  def test_bad_sparse_gradients(self, name):
+    for bad in ("Auto", "dense", None, True):
+      with self.assertRaisesRegex(
+          ValueError, r"sparse_gradients must be one of \('auto', 'stock', "
+          r"'compress'\), got"):
+        SPARSE[name](sparse_gradients=bad)
+
+
+class SparseGradientsKerasTest(tf.test.TestCase, parameterized.TestCase):
+
+  @parameterized.parameters("tf_keras", "keras3")
+  def test_rows_sent_as_is_keep_the_optimizers_adam(self, flavour):
+    # An embedding table sent as TF sends it is updated by the optimizer's
+    # own Adam (no Adam correction): it ends as with dense aggregation. (The
+    # head is frozen: a compressed head would change the table's gradients.)
+    k = {"tf_keras": tf_keras, "keras3": keras}[flavour]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 500, size=(16, 2)).astype(np.int32)
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+    devices = [f"/cpu:{i}" for i in range(REPLICAS)]
+    weights = {}
+    for label, make in (("dense", compression.Dense),
+                        ("dct", lambda: compression.DCTDP(sparsity=0.99))):
+      repl = tf_dct.Replicator(devices)
+      with repl.scope():
+        tf.keras.utils.set_random_seed(3)
+        model = k.Sequential([k.Input((2,), dtype="int32"),
+                              k.layers.Embedding(500, 16), k.layers.Flatten(),
+                              k.layers.Dense(1, trainable=False)])
+        compressor = make()
+        opt = repl.wrap_optimizer(k.optimizers.Adam(0.01), compressor)
+      opt.build(model.trainable_variables)
+
+      def input_fn(ctx):
+        del ctx
+        return tf.data.Dataset.from_tensor_slices((ids, y)).batch(
+            8, drop_remainder=True).repeat()
+
+      step_fn = util.squared_error_step(model, opt, 8)
+      for _ in range(3):
+        repl.run(step_fn, input_fn)
+      table = model.trainable_variables[0]
+      backing = table.value if isinstance(table, keras.Variable) else table
+      if label == "dct":
+        self.assertTrue(compressor.sends_as_is(backing))
+        self.assertFalse(compressor.corrects_optimizer(backing))
+      weights[label] = [np.asarray(v) for v in model.trainable_variables]
+    self.assertLen(weights["dct"], 1)
+    self.assertAllClose(weights["dct"][0], weights["dense"][0], atol=1e-7,
+                        rtol=1e-6)
 
 
 if __name__ == "__main__":

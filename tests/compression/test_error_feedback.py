@@ -17,15 +17,19 @@ def setUpModule():
 
 # min_count=0: on these tiny variables the default floor of 8 entries would
 # send nearly everything and leave no residual to compare.
+# The compressors' own path for IndexedSlices ("compress"; "auto" would send
+# these small tables as TF does, see tests/compression/test_base.py).
 COMPRESSORS = {
     "DCTDP": lambda: compression.DCTDP(sparsity=0.8, threshold_life=3,
-                                       capacity_factor=1.5, min_count=0),
-    "DEFT": lambda: compression.DEFT(density=0.2, min_count=0),
+                                       capacity_factor=1.5, min_count=0,
+                                       sparse_gradients="compress"),
+    "DEFT": lambda: compression.DEFT(density=0.2, min_count=0,
+                                     sparse_gradients="compress"),
     "TopK": lambda: compression.TopK(density=0.2, capacity_factor=1.5,
-                                     min_count=0),
-    "CLTK": lambda: compression.CLTK(density=0.2),
-    "HardThreshold": lambda: compression.HardThreshold(0.5,
-                                                       capacity_density=0.3),
+                                     min_count=0, sparse_gradients="compress"),
+    "CLTK": lambda: compression.CLTK(density=0.2, sparse_gradients="compress"),
+    "HardThreshold": lambda: compression.HardThreshold(
+        0.5, capacity_density=0.3, sparse_gradients="compress"),
 }
 
 
@@ -77,7 +81,7 @@ class IndexedSlicesTest(tf.test.TestCase, parameterized.TestCase):
          ("DCTDP_native_vs_stock", "DCTDP", 2, False,
           lambda: compression.DCTDP(sparsity=0.8, threshold_life=3,
                                     capacity_factor=1.5, native=False,
-                                    min_count=0))])
+                                    min_count=0, sparse_gradients="compress"))])
   def test_matches_densified_path(self, name, replicas, jit_compile,
                                   make_dense=None):
     history = _slices_run(COMPRESSORS[name], replicas, steps=4,

@@ -160,14 +160,7 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
     y = rng.normal(size=(16 * steps, 1)).astype(np.float32)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
 
-    def step_fn(batch):
-      bx, by = batch
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tf.square(model(bx) - by)) / 16
-      grads = tape.gradient(loss, model.trainable_variables)
-      opt.apply_gradients(zip(grads, model.trainable_variables))
-      return loss
-
+    step_fn = util.squared_error_step(model, opt, 16)
     input_fn = lambda ctx: data
     weights = []
     for _ in range(steps):

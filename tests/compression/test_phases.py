@@ -231,15 +231,9 @@ class KerasPhasesTest(tf.test.TestCase, parameterized.TestCase):
     return comp.communication_stats()["total"]["payload_bytes"][0]
 
   def _step_fn(self, model, opt, traces):
-    def step_fn(batch):
-      traces.append(opt._tf_dct_compressor.phase)  # pylint: disable=protected-access
-      bx, by = batch
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tf.square(model(bx) - by)) / 16
-      grads = tape.gradient(loss, model.trainable_variables)
-      opt.apply_gradients(zip(grads, model.trainable_variables))
-      return loss
-    return step_fn
+    return util.squared_error_step(
+        model, opt, 16,
+        lambda: traces.append(opt._tf_dct_compressor.phase))  # pylint: disable=protected-access
 
   def test_replicator_run_traces_once_per_phase(self):
     repl, model, comp, opt, (x, y), dense = self._setup()

@@ -239,6 +239,21 @@ class CompressionExcludeTest(tf.test.TestCase):
     self.assertEqual(compressor.exclude, ("embedding", "bias$"))
     self.assertEqual(train.make_compressor(_cfg(model="dlrm")).exclude, ())
 
+  def test_sparsity_schedule_reaches_the_compressor(self):
+    compressor = train.make_compressor(_cfg(model="dlrm",
+                                            sparsity_schedule=["13:0.75", "13:0.9375"]))
+    self.assertEqual(compressor.sparsity_schedule, ((13, 0.75), (13, 0.9375)))
+    self.assertEqual(compressor.phase_starts(), (0, 13, 26))
+    self.assertEqual(train.make_compressor(_cfg(model="dlrm")).sparsity_schedule, ())
+
+  def test_sparse_gradients_reaches_the_compressor(self):
+    self.assertEqual(train.make_compressor(_cfg(model="dlrm")).sparse_gradients, "auto")
+    for choice in ("stock", "compress"):
+      for comp in ("dct", "deft", "topk", "cltk", "threshold"):
+        compressor = train.make_compressor(_cfg(model="dlrm", compression=comp,
+                                                sparse_gradients=choice))
+        self.assertEqual(compressor.sparse_gradients, choice, comp)
+
 
 class FlagErrorsTest(tf.test.TestCase):
 
@@ -255,6 +270,13 @@ class FlagErrorsTest(tf.test.TestCase):
                          compression="threshold", threshold=-1.0)
     self.assertFlagError(r"--mp_sparsity must be in \[0, 1\), got 1.0", mp_sparsity=1.0)
     self.assertFlagError(r"--threshold_life must be >= 1, got 0", threshold_life=0)
+    for bad in ("13", "x:0.5", "0:0.5", "5:1.0", "5:0"):
+      self.assertFlagError(r"--sparsity_schedule: each item must be steps:sparsity with "
+                           r"steps >= 1 and sparsity in \(0, 1\), got " + repr(bad),
+                           sparsity_schedule=[bad])
+    self.assertFlagError(r"--sparsity_schedule is for --compression=dct, not "
+                         r"--compression=topk", compression="topk",
+                         sparsity_schedule=["5:0.5"])
     self.assertFlagError(r"--data_dir '/no/such/dir' does not exist",
                          data_dir="/no/such/dir")
     self.assertFlagError(r"--model=mlp has synthetic data only", model="mlp",

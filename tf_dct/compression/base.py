@@ -31,6 +31,7 @@ import re
 import threading
 from typing import Sequence
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -67,13 +68,49 @@ def _check_exclude(owner: str, exclude) -> tuple[str, ...]:
   return tuple(exclude)
 
 
-class Compressor(tf.Module):
-  """Base class: per-variable state management and the aggregation contract."""
+# How `tf.IndexedSlices` gradients (embedding lookups) are sent: see
+# `Compressor`'s `sparse_gradients`.
+SPARSE_GRADIENTS = ("auto", "stock", "compress")
 
-  def __init__(self, name: str | None = None, exclude: Sequence[str] = ()):
+
+def as_tf_variable(variable):
+  """`variable`, or the tf.Variable behind a Keras 3 variable (what the
+  aggregation sees), so public lookups accept either."""
+  if hasattr(variable, "ref"):
+    return variable
+  value = getattr(variable, "value", None)
+  return value if hasattr(value, "ref") else variable
+
+
+class Compressor(tf.Module):
+  """Base class: per-variable state management and the aggregation contract.
+
+  Args:
+    name: module name.
+    exclude: regular expressions searched in variable names; matching
+      variables are all-reduced as they are and keep no state
+      (`reduce_as_is`).
+    sparse_gradients: how a variable whose gradient is a `tf.IndexedSlices`
+      (an embedding table's rows) is sent. "stock": as TensorFlow sends it,
+      an all-gather of the touched rows, exact and without state. "compress":
+      by the compressor, with a table-sized residual. "auto" (default): as
+      "stock" where that puts no more bytes on the wire than the compressor
+      would (`stock_is_cheaper`), else compressed. The choice is made once
+      per variable, at the first gradient it sees, so a variable's state is
+      created at its first step rather than at `create_states` (except with
+      "compress").
+  """
+
+  def __init__(self, name: str | None = None, exclude: Sequence[str] = (),
+               sparse_gradients: str = "auto"):
     super().__init__(name=name)
     self.exclude = _check_exclude(type(self).__name__, exclude)
     self._exclude = [re.compile(p) for p in self.exclude]
+    if sparse_gradients not in SPARSE_GRADIENTS:
+      raise ValueError(f"{type(self).__name__}: sparse_gradients must be one of "
+                       f"{SPARSE_GRADIENTS}, got {sparse_gradients!r}")
+    self.sparse_gradients = sparse_gradients
+    self._as_is = {}         # variable ref -> sent as it is (`sends_as_is`)
     self._replicator = None
     self._lock = threading.Lock()
     self._keys = {}          # variable ref -> state key, in first-seen order
@@ -143,6 +180,11 @@ class Compressor(tf.Module):
                        "before the compressor has state")
     self._adam_hparams = (float(beta_1), float(beta_2), float(epsilon))
 
+  @property
+  def corrects_adam(self) -> bool:
+    """Whether Adam correction is on (a Keras adapter called `set_adam`)."""
+    return self._adam_hparams is not None
+
   def set_momentum(self, momentum: float) -> None:
     """Sets the momentum of the correction before any state exists (the
     Keras adapters call it with a momentum SGD optimizer's momentum)."""
@@ -157,7 +199,7 @@ class Compressor(tf.Module):
     itself (momentum correction), so the optimizer must apply its aggregate
     as plain SGD. False for variables sent as they are (excluded, below
     `min_size`): those keep the optimizer's own momentum."""
-    if not self.momentum:
+    if not self.momentum or self.sends_as_is(variable):
       return False
     return "velocity" in self.state_for(variable)
 
@@ -165,7 +207,7 @@ class Compressor(tf.Module):
     """Whether the optimizer must apply `variable`'s aggregate as plain SGD
     because the compressor keeps its momentum (`corrects_momentum`) or runs
     its Adam update (`adam_correction`) itself."""
-    if not (self.momentum or self._adam_hparams):
+    if not (self.momentum or self._adam_hparams) or self.sends_as_is(variable):
       return False
     state = self.state_for(variable)
     return "velocity" in state or "adam_m" in state
@@ -433,13 +475,16 @@ class Compressor(tf.Module):
     self._states_for(list(variables))
 
   def state_for(self, variable: tf.Variable) -> dict:
-    """The per-replica state of `variable` (created on first use)."""
-    return self._states_for([variable])[0]
+    """The per-replica state of `variable` (created on first use); a Keras 3
+    variable or its backing tf.Variable."""
+    return self._states_for([as_tf_variable(variable)])[0]
 
   def state_values(self, variable: tf.Variable) -> dict:
     """This worker's values of `variable`'s state, by name: per local
     replica, in local replica order (numpy). The packed `scalars` come back
-    as the scalars they hold (`scalar_dtypes`), each of its own dtype."""
+    as the scalars they hold (`scalar_dtypes`), each of its own dtype.
+    `variable`: a tf.Variable or a Keras 3 variable."""
+    variable = as_tf_variable(variable)
     out = {key: s.numpy() for key, s in self.state_for(variable).items()}
     if "scalars" in out:
       rows = np.asarray(out.pop("scalars"))
@@ -501,6 +546,71 @@ class Compressor(tf.Module):
                                      () if excluded else self.counter_names(var))
           self._keys[ref] = key  # only once its state exists
       return [self.state[self._keys[v.ref()]] for v in variables]
+
+  def _decide(self, pairs) -> list[bool]:
+    """Per (gradient, variable) pair: whether it is sent as it is
+    (`sends_as_is`), chosen at a variable's first gradient and kept."""
+    with self._lock:
+      for g, v in pairs:
+        if v.ref() not in self._as_is:
+          self._as_is[v.ref()] = (self.is_excluded(v)
+                                  or self._sparse_as_is(g, v))
+    return [self._as_is[v.ref()] for _, v in pairs]
+
+  def sends_as_is(self, variable) -> bool:
+    """Whether `variable` is all-reduced (or all-gathered) as it is, with no
+    state: excluded by name, or its sparse gradient sent as stock TF sends
+    it (`sparse_gradients`, decided at its first gradient)."""
+    variable = as_tf_variable(variable)
+    return self._as_is.get(variable.ref(), self.is_excluded(variable))
+
+  def _sparse_as_is(self, grad, variable) -> bool:
+    """The `sparse_gradients` choice for `variable`, from its first gradient."""
+    if (not isinstance(grad, tf.IndexedSlices)
+        or self.sparse_gradients == "compress"):
+      return False
+    if self.sparse_gradients == "stock":
+      return True
+    if _private.in_xla_context():  # TF's IndexedSlices all-gather has no XLA kernel
+      return False
+    if grad.indices.shape.num_elements() is None:
+      logging.warning(
+          "tf_dct: %s compresses %r: its IndexedSlices gradient has no static "
+          "row count, so sparse_gradients='auto' cannot price TF's all-gather "
+          "of the rows; give the dataset static batch shapes "
+          "(batch(..., drop_remainder=True)) or pass sparse_gradients='stock'",
+          type(self).__name__, variable.name)
+      return False
+    ctx = tf.distribute.get_replica_context()
+    replicas = ctx.num_replicas_in_sync if ctx is not None else 1
+    return self.stock_is_cheaper(grad, variable, max(replicas, 2))
+
+  def stock_is_cheaper(self, grad: tf.IndexedSlices, variable,
+                       num_replicas: int) -> bool:
+    """Whether TF's all-gather of `grad`'s rows moves no more bytes per
+    replica than this compressor's exchange of `variable` would
+    (`compressed_bytes`, ring model of `accounting`; "auto" asks with at
+    least 2 replicas, as with one nothing moves). False when either is
+    unknown statically (the row count, or the compressor's bytes)."""
+    rows = grad.indices.shape.num_elements()
+    mine = self.compressed_bytes(variable)
+    if rows is None or mine is None:
+      return False
+    width = variable.shape[1:].num_elements()
+    stock = accounting.all_gather_bytes(accounting.indexed_slices_payload(
+        rows, width * grad.values.dtype.size, grad.indices.dtype.size),
+        num_replicas)
+    gather, reduce = mine
+    compressed = (accounting.all_gather_bytes(gather, num_replicas)
+                  + accounting.all_reduce_bytes(reduce, num_replicas))
+    return stock <= compressed
+
+  def compressed_bytes(self, variable) -> tuple[int, int] | None:
+    """(P, M): bytes one replica gathers and all-reduces for `variable` on a
+    compressed step (`record`'s byte model); None when not known statically,
+    and then `sparse_gradients="auto"` compresses the variable."""
+    del variable
+    return None
 
   def _state_name(self, variable, what: str) -> str:
     """Name of a state variable: compressor/variable/what."""
@@ -669,7 +779,7 @@ class Compressor(tf.Module):
     if not pairs:
       return grads_and_vars
     states = self._states_for([v for _, v in pairs])  # keys in this order
-    excluded = [self.is_excluded(v) for _, v in pairs]
+    excluded = self._decide(pairs)
     kept = [(g, v, st) for (g, v), st, ex in zip(pairs, states, excluded) if not ex]
     passed = [p for p, ex in zip(pairs, excluded) if ex]
     self._recording.records = {}

@@ -257,6 +257,9 @@ class DCTDP(Compressor):
       variables are all-reduced as they are (`tf.IndexedSlices` stay sparse
       and are all-gathered) and keep no state, e.g. `("embedding",)` to
       compress only the dense layers, as DCT §3.1 does for DLRM.
+    sparse_gradients: "auto" (default), "stock" or "compress": how
+      `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
+      them as TF does where that moves fewer bytes (`Compressor`).
     native: use the native CPU kernels (`tf_dct.ops.native`, built on first
       use; results bit-identical to stock ops) for lines 2-11 of every
       variable and the long wire buffers (line 12). None
@@ -313,8 +316,10 @@ class DCTDP(Compressor):
                adam: bool | None = None, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
-               sparsity_schedule: Sequence[tuple[int, float]] = ()):
-    super().__init__(name=name, exclude=exclude)
+               sparsity_schedule: Sequence[tuple[int, float]] = (),
+               sparse_gradients: str = "auto"):
+    super().__init__(name=name, exclude=exclude,
+                     sparse_gradients=sparse_gradients)
     self.sparsity = float(_check("sparsity", sparsity, numbers.Real, 0, True,
                                  1, True))
     self.threshold_life = int(_check("threshold_life", threshold_life,
@@ -372,6 +377,14 @@ class DCTDP(Compressor):
   def _is_dense(self, variable) -> bool:
     n = variable.shape.num_elements()
     return n == 0 or n < self.min_size
+
+  def compressed_bytes(self, variable):
+    n = variable.shape.num_elements()
+    if self._is_dense(variable):
+      return 0, n * variable.dtype.size
+    cap = capacity(n, self.sparsity, self.capacity_factor, self.min_count)
+    return sparse_wire.wire_bytes(n, cap, variable.dtype,
+                                  self.index_encoding), 0
 
   def counter_names(self, variable):
     if self._is_dense(variable):

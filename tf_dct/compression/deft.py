@@ -320,6 +320,9 @@ class DEFT(Compressor):
       `Compressor.reduce_as_is`).
     min_count: every partition takes at least min(size, min_count) of the
       budget, an int >= 0 (the paper: 1; values below 1 mean 1).
+    sparse_gradients: "auto" (default), "stock" or "compress": how
+      `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
+      them as TF does where that moves fewer bytes (`Compressor`).
     momentum, momentum_masking: momentum correction, as in `DCTDP`.
     adam, adam_second_moment, adam_select, adam_first_moment: Adam
       correction, as in `DCTDP`, but off by default: with DEFT's norm-based
@@ -334,8 +337,10 @@ class DEFT(Compressor):
                momentum: float | None = None, momentum_masking: bool = False,
                adam: bool | None = False, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
-               adam_first_moment: str = "replica"):
-    super().__init__(name=name, exclude=exclude)
+               adam_first_moment: str = "replica",
+               sparse_gradients: str = "auto"):
+    super().__init__(name=name, exclude=exclude,
+                     sparse_gradients=sparse_gradients)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     self._init_momentum(momentum, momentum_masking)
@@ -345,6 +350,15 @@ class DEFT(Compressor):
     self.min_size = int(_check("min_size", min_size, numbers.Integral, 0, False))
     self.warmup_steps = int(_check("warmup_steps", warmup_steps,
                                    numbers.Integral, 0, False))
+
+  def compressed_bytes(self, variable):
+    """DEFT's budget is shared by the whole model, so a variable's share of
+    the union slots is known only in the step; its own budget k_total at
+    `density` (positions and values all-reduced) stands for it."""
+    n = variable.shape.num_elements()
+    if n == 0 or n < self.min_size:
+      return 0, n * variable.dtype.size
+    return 0, total_k(n, self.density) * (4 + variable.dtype.size)
 
   def create_state(self, variable):
     n = self.check_variable(variable)

@@ -26,6 +26,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tf_dct.compression import sparse_wire
 from tf_dct.compression import topk
 
 
@@ -42,13 +43,17 @@ class HardThreshold(topk.ErrorFeedbackCompressor):
     exclude: regular expressions searched in variable names; matching
       variables are all-reduced as they are and keep no state (see
       `Compressor.reduce_as_is`).
+    sparse_gradients: "auto" (default), "stock" or "compress": how
+      `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
+      them as TF does where that moves fewer bytes (`Compressor`).
   """
 
   def __init__(self, threshold: float, capacity_density: float = 0.05,
                min_size: int = 0, warmup_steps: int = 0,
-               name: str | None = None, exclude: Sequence[str] = ()):
+               name: str | None = None, exclude: Sequence[str] = (),
+               sparse_gradients: str = "auto"):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
-                     exclude=exclude)
+                     exclude=exclude, sparse_gradients=sparse_gradients)
     self.threshold = float(self._check("threshold", threshold, numbers.Real, 0,
                                        False))
     self.capacity_density = float(self._check(
@@ -57,6 +62,9 @@ class HardThreshold(topk.ErrorFeedbackCompressor):
   def capacity(self, n: int) -> int:
     """Wire slots of an n-entry variable: min(n, ceil(capacity_density * n))."""
     return topk.slots(n, n, self.capacity_density)
+
+  def _exchange_bytes(self, n, dtype):
+    return sparse_wire.wire_bytes(n, self.capacity(n), dtype), 0
 
   def _select(self, item):
     magnitude = tf.abs(item.acc)

@@ -106,6 +106,9 @@ class ErrorFeedbackCompressor(Compressor):
     exclude: regular expressions searched in variable names; matching
       variables are all-reduced as they are and keep no state (see
       `Compressor.reduce_as_is`).
+    sparse_gradients: "auto" (default), "stock" or "compress": how
+      `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
+      them as TF does where that moves fewer bytes (`Compressor`).
     momentum, momentum_masking: momentum correction, as in `DCTDP` (here
       off by default: the baselines CLTK and HardThreshold keep their
       published form; TopK defaults to None, as DCTDP).
@@ -124,8 +127,10 @@ class ErrorFeedbackCompressor(Compressor):
                momentum: float | None = 0.0, momentum_masking: bool = False,
                adam: bool | None = False, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
-               adam_first_moment: str = "replica"):
-    super().__init__(name=name, exclude=exclude)
+               adam_first_moment: str = "replica",
+               sparse_gradients: str = "auto"):
+    super().__init__(name=name, exclude=exclude,
+                     sparse_gradients=sparse_gradients)
     self._init_momentum(momentum, momentum_masking)
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)
@@ -143,6 +148,18 @@ class ErrorFeedbackCompressor(Compressor):
 
   def counter_names(self, variable):
     return () if self._is_dense(variable) else ("overflow",)
+
+  def compressed_bytes(self, variable):
+    n = variable.shape.num_elements()
+    if self._is_dense(variable):
+      return 0, n * variable.dtype.size
+    return self._exchange_bytes(n, variable.dtype)
+
+  def _exchange_bytes(self, n: int, dtype) -> tuple[int, int] | None:
+    """(P, M) of an n-entry variable's compressed step (`compressed_bytes`);
+    None: not known statically."""
+    del n, dtype
+    return None
 
   def create_state(self, variable):
     n = self.check_variable(variable, sparse_wire.MAX_SIZE - 1)
@@ -296,19 +313,26 @@ class TopK(ErrorFeedbackCompressor):
                momentum_masking: bool = False, adam: bool | None = False,
                adam_second_moment: str = "factored",
                adam_select: str = "normalized",
-               adam_first_moment: str = "replica"):
+               adam_first_moment: str = "replica",
+               sparse_gradients: str = "auto"):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
                      exclude=exclude, momentum=momentum,
                      momentum_masking=momentum_masking, adam=adam,
                      adam_second_moment=adam_second_moment,
                      adam_select=adam_select,
-                     adam_first_moment=adam_first_moment)
+                     adam_first_moment=adam_first_moment,
+                     sparse_gradients=sparse_gradients)
     self.density = float(self._check("density", density, numbers.Real, 0, True,
                                      1, False))
     self.min_count = int(self._check("min_count", min_count, numbers.Integral,
                                      0, False))
     self.capacity_factor = float(self._check(
         "capacity_factor", capacity_factor, numbers.Real, 1, False))
+
+  def _exchange_bytes(self, n, dtype):
+    k = selected_count(n, self.density, self.min_count)
+    return sparse_wire.wire_bytes(n, slots(n, k, self.capacity_factor),
+                                  dtype), 0
 
   def _select(self, item):
     k = selected_count(item.n, self.density, self.min_count)
