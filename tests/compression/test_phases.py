@@ -103,6 +103,39 @@ class PhasesTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(_collectives(make(), 0), (2, 0, 2))
     self.assertEqual(_collectives(make(), 1), (0, 2, 0))
 
+  @parameterized.parameters(True, False)
+  def test_mixing_driven_and_undriven_steps_is_refused(self, driven_first):
+    # A driven run counts steps per phase, an undriven one decides the
+    # phase from its own counter: mixing them would repeat the warm-up.
+    comp = compression.DCTDP(0.8, warmup_steps=WARMUP)
+    repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"])
+    comp.bind(repl)
+    with repl.scope():
+      v = tf.Variable(tf.zeros([4, 3]), name="w")
+
+    def trace(driven):
+      step = tf.function(lambda: repl.run(
+          lambda: comp.aggregate([(tf.ones([4, 3]), v)])[0][0]))
+      if not driven:
+        return step.get_concrete_function()
+      with comp.in_phase(0):
+        return step.get_concrete_function()
+
+    trace(driven_first)
+    first, then = (("with a phase driver", "without one") if driven_first
+                   else ("without one", "with a phase driver"))
+    with self.assertRaisesRegex(
+        ValueError, f"DCTDP: steps were traced {first} and now {then}; with "
+        "warmup_steps or a schedule"):
+      trace(not driven_first)
+    self.assertEqual(list(comp.state_values(v)["step"]), [0, 0])
+    # Without phases there is nothing to mix.
+    plain = compression.DCTDP(0.8)
+    plain.bind(repl)
+    plain._check_driven()  # pylint: disable=protected-access
+    plain.phase = 0
+    plain._check_driven()  # pylint: disable=protected-access
+
   def test_deft_phases(self):
     make = lambda: compression.DEFT(0.2, warmup_steps=WARMUP)
     # DEFT's exchange is three all-reduces (norms, union, values); the int32

@@ -14,6 +14,7 @@ Phases: a compressor with `warmup_steps > 0` has two, dense (steps before
 issues only the dense all-reduce and a compressed one only the compressor's
 exchange. Traced without a driver (`phase` None), each step decides in the
 graph and issues both collectives (collectives cannot sit in `tf.cond`).
+One compressor's steps are traced either all with a driver or all without.
 
 Accounting: inside `reduce`, a compressor calls `record(variable, ...)` once
 per variable with what this replica gathered / all-reduced, the nnz of the
@@ -135,6 +136,7 @@ class Compressor(tf.Module):
     # The phase the step being traced runs in (`in_phase`); None: decided in
     # the graph, every step.
     self.phase = None
+    self._driven = None  # whether steps are traced in their phase (`_check_driven`)
 
   def _init_momentum(self, momentum, momentum_masking) -> None:
     """Validates and sets the momentum-correction options (see `corrects_momentum`)."""
@@ -252,6 +254,26 @@ class Compressor(tf.Module):
     """Whether a traced step decides dense warm-up in the graph and so
     issues the dense all-reduce besides the exchange (no phase driver)."""
     return bool(getattr(self, "warmup_steps", 0)) and self.phase is None
+
+  def _check_driven(self) -> None:
+    """Raises when a step is traced with a phase driver and another without.
+
+    With phases (a warm-up or stages), a driven run counts the compressor's
+    steps per phase and an undriven one decides the phase in the graph from
+    its own counter, so mixing them would, e.g., repeat the warm-up.
+    """
+    if len(self.phase_starts()) == 1:
+      return
+    driven = self.phase is not None
+    if self._driven is None:
+      self._driven = driven
+    elif self._driven != driven:
+      mode = lambda d: "with a phase driver" if d else "without one"
+      raise ValueError(
+          f"{type(self).__name__}: steps were traced {mode(self._driven)} and "
+          f"now {mode(driven)}; with warmup_steps or a schedule, trace every "
+          "step in its phase (Replicator.run with the wrapped optimizer, "
+          "tf_dct.keras.phase_callback for fit) or none, on one compressor")
 
   def _flush(self, ctx, grads, variables, states) -> list:
     """A dense phase: each replica sends its accumulator g + E whole (one SUM
@@ -791,6 +813,8 @@ class Compressor(tf.Module):
               and self._snapshot(kept_grads, kept_states))
       kept_grads, pending = self._correct_momentum(kept_grads, kept_vars,
                                                    kept_states)
+      if any(kept_states):
+        self._check_driven()
       kept_grads, adam_pending = self._adam_before(ctx, kept_grads, kept_vars,
                                                    kept_states)
       dense_phase = self.phase is not None and self.phase_is_dense(self.phase)
