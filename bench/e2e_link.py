@@ -70,6 +70,9 @@ WORKER = os.path.join(REPO_ROOT, "bench", "e2e_worker.py")
 CONFIGS = ("dense", "dctdp", "dctdp_mp", "deft", "topk", "native", "dctdp_fc")
 DEFAULT_CONFIGS = ("native", "dense", "dctdp", "dctdp_mp", "deft", "topk")
 SHAPERS = ("auto", "netem", "tbf")
+# The launcher's --optimizer values (launch/registry.py OPTIMIZERS; this
+# driver does not import TensorFlow).
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
 NS_PREFIX = "dcte2e_"
 SUBNET = "10.77.0"
 NUM_WORKERS = 2
@@ -156,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--batch_size", type=int, default=256,
                  help="global batch (both workers), even, in [2, 65536]")
   p.add_argument("--optimizer", default="adam",
-                 help="adam or sgd, for every configuration")
+                 help=f"one of {','.join(OPTIMIZERS)}, for every configuration")
   p.add_argument("--learning_rate", type=float, default=1e-3, help="> 0")
   p.add_argument("--sparsity", type=float, default=0.99, help="DCT-DP sparsity in (0, 1)")
   p.add_argument("--threshold_life", type=int, default=1000, help="DCT-DP L, >= 1")
@@ -191,8 +194,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
       setattr(args, name, value)
   args.rate_bps = parse_rate(args.rate)
   args.delay_s = parse_delay(args.delay)
-  if args.optimizer not in ("adam", "sgd"):
-    raise FlagError(f"--optimizer must be adam or sgd, got {args.optimizer!r}")
+  if args.optimizer not in OPTIMIZERS:
+    raise FlagError(f"--optimizer must be one of {','.join(OPTIMIZERS)}, got "
+                    f"{args.optimizer!r}")
   if args.shaper not in SHAPERS:
     raise FlagError(f"--shaper must be one of {','.join(SHAPERS)}, got {args.shaper!r}")
   args.config_list = parse_configs(args.configs)

@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--warmup_steps", type=int, required=True, help="untimed first steps")
   p.add_argument("--eval_steps", type=int, required=True)
   p.add_argument("--learning_rate", type=float, required=True)
-  p.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+  p.add_argument("--optimizer", default="adam", choices=registry.OPTIMIZERS)
   p.add_argument("--sparsity", type=float, required=True)
   p.add_argument("--threshold_life", type=int, required=True)
   p.add_argument("--mp_sparsity", type=float, required=True)

@@ -108,7 +108,7 @@ def make_testbed(runner=None, stubborn=False):
     (["--delay=-1ms"], "--delay"),
     (["--delay=2s"], "--delay"),
     (["--shaper=htb"], "--shaper"),
-    (["--optimizer=adagrad"], "--optimizer"),
+    (["--optimizer=lamb"], "--optimizer"),
     (["--configs="], "--configs"),
     (["--configs=dense,foo"], "--configs"),
     (["--configs=dense,dense"], "--configs"),
@@ -148,6 +148,8 @@ def test_defaults_presets_and_units():
   assert full.optimizer == "adam"
   argv = e2e_link.worker_argv(e2e_link.parse_args(["--optimizer=sgd"]), "dctdp_fc", "/x")
   assert "--optimizer=sgd" in argv and "--config=dctdp_fc" in argv
+  argv = e2e_link.worker_argv(e2e_link.parse_args(["--optimizer=momentum"]), "dctdp", "/x")
+  assert "--optimizer=momentum" in argv
   argv = e2e_link.worker_argv(e2e_link.parse_args(["--compression_warmup=5"]), "dctdp", "/x")
   assert "--compression_warmup=5" in argv
   assert full.vocab_size == e2e_link.FULL["vocab_size"]
@@ -159,6 +161,11 @@ def test_defaults_presets_and_units():
   assert quick.config_list == ("topk", "dense")
   assert e2e_link.parse_rate("2.5Gbit") == 2.5e9
   assert e2e_link.parse_delay("0ms") == 0.0
+
+
+def test_optimizers_are_the_launchers():
+  from launch import registry  # pylint: disable=g-import-not-at-top
+  assert e2e_link.OPTIMIZERS == registry.OPTIMIZERS
 
 
 def test_worker_passes_the_compression_warmup_to_the_launcher():
