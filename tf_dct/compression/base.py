@@ -95,11 +95,12 @@ class Compressor(tf.Module):
       (an embedding table's rows) is sent. "stock": as TensorFlow sends it,
       an all-gather of the touched rows, exact and without state. "compress":
       by the compressor, with a table-sized residual. "auto" (default): as
-      "stock" where that puts no more bytes on the wire than the compressor
-      would (`stock_is_cheaper`), else compressed. The choice is made once
-      per variable, at the first gradient it sees, so a variable's state is
-      created at its first step rather than at `create_states` (except with
-      "compress").
+      "stock" where that moves no more bytes than the compressor would
+      (`stock_is_cheaper`), else compressed. The choice is made at a
+      variable's first gradient and kept (`sends_as_is`); under XLA "auto"
+      compresses (TF's sparse all-gather has no XLA kernel). The state
+      `create_states` made for a variable sent as it is stays unused (zeros;
+      name the variable in `exclude` to have none).
   """
 
   def __init__(self, name: str | None = None, exclude: Sequence[str] = (),
