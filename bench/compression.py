@@ -1,4 +1,4 @@
-r"""Gradient compression benchmark (issue 3): bytes, density, selection, step time.
+r"""Gradient compression benchmark: bytes, density, selection, step time.
 
 One process, the CPU split into 4 logical devices. The model is DLRM's dense
 part with DCT §3.1's shapes (embedding dim 16): a bottom MLP 13 -> 512 -> 256

@@ -1,4 +1,4 @@
-r"""End-to-end step time of DLRM on an emulated constrained link (issue 7).
+r"""End-to-end step time of DLRM on an emulated constrained link.
 
 Two worker processes, each in its own Linux network namespace, joined by a
 veth pair (10.77.0.1/24 and 10.77.0.2/24) whose two ends are shaped with `tc`

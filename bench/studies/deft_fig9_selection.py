@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> common.Result:
     rounds = args.rounds
     fns = {"whole": selection(gt, [(0, n_g, k_total)], rounds=rounds),
            "overhead": selection(gt, [(0, 1, 1)], rounds=rounds),
-           # one call per selection: what the previous sessions reported
+           # one call per selection, each timed on its own
            "whole_call": selection(gt, [(0, n_g, k_total)])}
     for b in range(n):
       mine = [x for x in range(len(parts)) if bins[x] == b]

@@ -356,13 +356,18 @@ class DEFT(Compressor):
     the union slots is known only in the step; its own budget k_total at
     `density` (positions and values all-reduced) stands for it."""
     n = variable.shape.num_elements()
-    if n == 0 or n < self.min_size:
+    if self._is_dense(variable):
       return 0, n * variable.dtype.size
     return 0, total_k(n, self.density) * (4 + variable.dtype.size)
 
+  def _is_dense(self, variable) -> bool:
+    """Always all-reduced densely, with no state: empty or below `min_size`."""
+    n = variable.shape.num_elements()
+    return n == 0 or n < self.min_size
+
   def create_state(self, variable):
-    n = self.check_variable(variable)
-    if n == 0 or n < self.min_size:
+    self.check_variable(variable)
+    if self._is_dense(variable):
       return {}
     base = "deft/" + re.sub(r"[^A-Za-z0-9_]+", "_", variable.name.split(":")[0])
     return {

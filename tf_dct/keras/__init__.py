@@ -38,6 +38,18 @@ def in_replicator_scope(replicator):
   return replicator.scope()
 
 
+def aggregate(optimizer, grads_and_vars, var_key) -> list:
+  """The wrapped optimizer's compressor aggregates `grads_and_vars`; the
+  variables it sent as they are (decided at their first gradient) leave the
+  optimizer's plain-SGD set, so they keep the optimizer's own update.
+  `var_key(optimizer, variable)`: the flavour's key of that set."""
+  compressor = optimizer._tf_dct_compressor  # pylint: disable=protected-access
+  out = compressor.aggregate(grads_and_vars)
+  optimizer._tf_dct_plain = getattr(optimizer, "_tf_dct_plain", set()) - {  # pylint: disable=protected-access
+      var_key(optimizer, v) for _, v in out if compressor.sends_as_is(v)}
+  return out
+
+
 def _swap_class(optimizer, hook_mixin):
   base = type(optimizer)
   key = (base, hook_mixin)

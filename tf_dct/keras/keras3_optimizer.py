@@ -44,14 +44,8 @@ class AggregateWithCompressor:
     super().update_step(gradient, variable, learning_rate)
 
   def _all_reduce_sum_gradients(self, grads_and_vars):
-    compressor = self._tf_dct_compressor
-    out = compressor.aggregate(grads_and_vars)
-    # As in the tf-keras adapter: variables sent as they are keep the
-    # optimizer's own update.
-    self._tf_dct_plain = getattr(self, "_tf_dct_plain", set()) - {
-        _private.keras3_var_key(self, v) for _, v in out
-        if compressor.sends_as_is(v)}
-    return out
+    return keras_adapters.aggregate(self, grads_and_vars,
+                                    _private.keras3_var_key)
 
   def communication_stats(self) -> dict:
     """The compressor's statistics; see `Compressor.communication_stats`."""
