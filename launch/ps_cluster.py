@@ -24,7 +24,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,23 +32,14 @@ import time
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def free_ports(n: int) -> list[int]:
-  """`n` distinct TCP ports free right now (held open until all are picked)."""
-  sockets = []
-  try:
-    for _ in range(n):
-      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-      s.bind(("0.0.0.0", 0))
-      sockets.append(s)
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
-
-
 def cluster_spec(num_workers: int = 2, num_ps: int = 1,
                  host: str = "localhost") -> dict:
   """A {"chief", "worker", "ps"} cluster on free ports of `host`."""
+  # Importing tf_dct loads TensorFlow: done only here, where ports are picked,
+  # so that importing this module stays cheap, and with TensorFlow's start-up
+  # log as quiet as in the tasks (`run`).
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  from tf_dct.ports import free_ports  # pylint: disable=g-import-not-at-top
   ports = free_ports(1 + num_workers + num_ps)
   return {"chief": [f"{host}:{ports[0]}"],
           "worker": [f"{host}:{p}" for p in ports[1:1 + num_workers]],

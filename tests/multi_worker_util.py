@@ -31,7 +31,9 @@ own process group, and every group is killed before `run_workers` /
 `run_cluster` returns or raises, also on timeouts and exceptions.
 
 This module imports neither TensorFlow nor tf_dct, so it is cheap to import
-from a worker script before TensorFlow starts.
+from a worker script before TensorFlow starts. The runners, which run in the
+parent, import what they use when called: `tf_dct.ports.free_ports` for the
+ports and `launch.ps_cluster.cluster_spec` for a parameter-server cluster.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,26 +62,6 @@ BASE_ENV = {
 
 
 # --- cluster description -----------------------------------------------------
-
-
-def free_ports(n: int) -> list[int]:
-  """Returns `n` distinct TCP ports that are free right now.
-
-  TF's gRPC server binds `0.0.0.0:<port>`, so the ports are probed there. All
-  sockets are held open until every port is picked, so the ports are
-  distinct; another process may still take one before the workers bind it
-  (`run_workers` retries that case with fresh ports).
-  """
-  sockets = []
-  try:
-    for _ in range(n):
-      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-      s.bind(("0.0.0.0", 0))
-      sockets.append(s)
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
 
 
 def cluster_spec(ports: Sequence[int], host: str = "localhost") -> dict:
@@ -409,6 +390,7 @@ def _run_once(script, num_workers, args, env, timeout, result_dir,
               fail_fast_grace, python, host, monitor=None) -> list[WorkerResult]:
   """One attempt of `run_workers` (result_dir exists)."""
   with tempfile.TemporaryDirectory(prefix="tf_dct_mw_logs_") as log_dir:
+    from tf_dct.ports import free_ports  # pylint: disable=g-import-not-at-top
     cluster = cluster_spec(free_ports(num_workers), host)
     base_env = _base_env(env)
     procs = Processes(pathlib.Path(log_dir), result_dir)
@@ -445,15 +427,6 @@ def _run_once(script, num_workers, args, env, timeout, result_dir,
 # --- a parameter-server cluster -------------------------------------------------
 
 SERVER_MODULE = "launch.ps_cluster"   # `python -m launch.ps_cluster --serve`
-
-
-def ps_cluster_spec(num_workers: int = 2, num_ps: int = 1,
-                    host: str = "localhost") -> dict:
-  """1 chief, `num_workers` workers and `num_ps` ps tasks on free ports."""
-  ports = free_ports(1 + num_workers + num_ps)
-  return {"chief": [f"{host}:{ports[0]}"],
-          "worker": [f"{host}:{p}" for p in ports[1:1 + num_workers]],
-          "ps": [f"{host}:{p}" for p in ports[1 + num_workers:]]}
 
 
 @dataclasses.dataclass
@@ -508,7 +481,8 @@ def run_cluster(chief_script, num_workers: int = 2, num_ps: int = 1,
 def _run_cluster_once(chief_script, num_workers, num_ps, args, env, timeout,
                       result_dir, monitor, python, host) -> ClusterResult:
   with tempfile.TemporaryDirectory(prefix="tf_dct_ps_logs_") as log_dir:
-    cluster = ps_cluster_spec(num_workers, num_ps, host)
+    from launch import ps_cluster  # pylint: disable=g-import-not-at-top
+    cluster = ps_cluster.cluster_spec(num_workers, num_ps, host)
     base_env = _base_env(env)
     python = python or sys.executable
     procs = Processes(pathlib.Path(log_dir), result_dir)

@@ -143,21 +143,10 @@ class AsyncReplicator(ReplicatorMixin,
       form, unchanged; like the built-in strategy it must be called inside a
       function scheduled with `coordinator.schedule` (Keras does this).
     """
-    if not callable(fn):
-      raise TypeError(f"run: step_fn must be callable, got {type(fn).__name__}")
-    if input_fn is None and callable(args) and not isinstance(args, (tuple, list)):
-      input_fn, args = args, ()
+    input_fn, args = self._run_form(fn, args, kwargs, options, input_fn)
     if input_fn is None:
-      if isinstance(args, tf.data.Dataset):
-        raise TypeError("run: input_fn must be a callable returning a Dataset, "
-                        "got a Dataset; pass `lambda ctx: dataset`")
       return tf.distribute.experimental.ParameterServerStrategy.run(
           self, fn, args=args, kwargs=kwargs, options=options)
-    if not callable(input_fn):
-      raise TypeError(
-          f"run: input_fn must be callable, got {type(input_fn).__name__}")
-    if args or kwargs or options:
-      raise ValueError("run(step_fn, input_fn) takes no args/kwargs/options")
     step = self._replicated_step(fn, input_fn)
     return self._coordinator.schedule(step, args=(self._per_worker_iterator(input_fn),))
 

@@ -128,6 +128,24 @@ class ReplicatorMixin:
     * `run(fn, args=(), kwargs=None, options=None)`: the `tf.distribute`
       form, unchanged (Keras calls this one).
     """
+    input_fn, args = self._run_form(fn, args, kwargs, options, input_fn)
+    if input_fn is None:
+      return super().run(fn, args=args, kwargs=kwargs, options=options)
+    with contextlib.ExitStack() as stack:
+      keys = tuple(stack.enter_context(hook()) for hook in self._trace_hooks)
+      if all(key is None for key in keys):
+        keys = ()
+      return self._replicated_step(fn, input_fn, keys)()
+
+  @staticmethod
+  def _run_form(fn, args, kwargs, options, input_fn) -> tuple:
+    """Tells the two forms of `run` apart and checks their arguments.
+
+    Returns (input_fn, args): input_fn None for the `tf.distribute` form
+    `run(fn, args, kwargs, options)`, else the TF-Replicator form
+    `run(step_fn, input_fn)`, which takes nothing else (input_fn may come
+    positionally, as `args`).
+    """
     if not callable(fn):
       raise TypeError(f"run: step_fn must be callable, got {type(fn).__name__}")
     if input_fn is None and callable(args) and not isinstance(args, (tuple, list)):
@@ -136,17 +154,13 @@ class ReplicatorMixin:
       if isinstance(args, tf.data.Dataset):
         raise TypeError("run: input_fn must be a callable returning a Dataset, "
                         "got a Dataset; pass `lambda ctx: dataset`")
-      return super().run(fn, args=args, kwargs=kwargs, options=options)
+      return None, args
     if not callable(input_fn):
       raise TypeError(
           f"run: input_fn must be callable, got {type(input_fn).__name__}")
     if args or kwargs or options:
       raise ValueError("run(step_fn, input_fn) takes no args/kwargs/options")
-    with contextlib.ExitStack() as stack:
-      keys = tuple(stack.enter_context(hook()) for hook in self._trace_hooks)
-      if all(key is None for key in keys):
-        keys = ()
-      return self._replicated_step(fn, input_fn, keys)()
+    return input_fn, args
 
   def add_trace_hook(self, hook: Callable[[], contextlib.AbstractContextManager]
                      ) -> None:

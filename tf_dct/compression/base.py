@@ -53,6 +53,17 @@ def state_key(position: int) -> str:
   return f"v{position:03d}"
 
 
+def state_name(prefix: str, variable, what: str) -> str:
+  """Name of one state variable of `variable`: `prefix/<variable>/what`.
+
+  `<variable>` is the variable's name without its ":0" suffix, every run of
+  characters other than letters, digits and "_" made one "_". Checkpoints
+  hold the state under these names, so they must not change.
+  """
+  return "/".join((prefix, re.sub(r"[^A-Za-z0-9_]+", "_",
+                                  variable.name.split(":")[0]), what))
+
+
 def _check_exclude(owner: str, exclude) -> tuple[str, ...]:
   """`exclude` as a tuple of regular expressions, or a ValueError naming it."""
   if isinstance(exclude, (str, bytes)) or not isinstance(exclude, (list, tuple)):
@@ -534,6 +545,17 @@ class Compressor(tf.Module):
     return self.per_replica_state(
         tf.zeros([len(self.scalar_dtypes(variable))], tf.float64), name=name)
 
+  def residual_state(self, variable: tf.Variable, prefix: str) -> dict:
+    """An error-feedback state of `variable`: its `residual` (zeros of its
+    shape) and its `scalars`, named `state_name(prefix, variable, ...)`."""
+    return {
+        "residual": self.per_replica_state(
+            tf.zeros(variable.shape, variable.dtype),
+            name=state_name(prefix, variable, "residual")),
+        "scalars": self.scalars_state(
+            variable, state_name(prefix, variable, "scalars")),
+    }
+
   def pack_scalars(self, variable: tf.Variable, values: dict) -> tf.Tensor:
     """float64 `scalars` of `variable` from {name: scalar}, every name of
     `scalar_dtypes(variable)` given."""
@@ -556,13 +578,14 @@ class Compressor(tf.Module):
             state = {} if excluded else self.create_state(var)
             if state and self.momentum:  # momentum correction's velocity u
               state["velocity"] = self.per_replica_state(
-                  tf.zeros(var.shape, var.dtype), name=self._state_name(
-                      var, "velocity"))
+                  tf.zeros(var.shape, var.dtype), name=state_name(
+                      self.name, var, "velocity"))
             if state and self._adam_hparams:  # Adam correction's m, v, t
               for what, shape in (("adam_m", var.shape), ("adam_v", var.shape),
                                   ("adam_t", [])):
                 state[what] = self.per_replica_state(
-                    tf.zeros(shape, var.dtype), name=self._state_name(var, what))
+                    tf.zeros(shape, var.dtype),
+                    name=state_name(self.name, var, what))
             self.state[key] = state
             if self._replicator is not None:  # statistics too, so they restore
               self.accounting.ensure(self, key, var.name.split(":")[0],
@@ -634,11 +657,6 @@ class Compressor(tf.Module):
     and then `sparse_gradients="auto"` compresses the variable."""
     del variable
     return None
-
-  def _state_name(self, variable, what: str) -> str:
-    """Name of a state variable: compressor/variable/what."""
-    return "/".join((self.name, re.sub(r"[^A-Za-z0-9_]+", "_",
-                                       variable.name.split(":")[0]), what))
 
   def _correct_momentum(self, grads, variables, states):
     """Momentum correction before `reduce`: u = m * u + g per corrected

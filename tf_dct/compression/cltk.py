@@ -19,9 +19,9 @@ Conventions (tests/compression/reference_baselines.py follows them exactly):
 * The step counter t is per variable and per replica (scalar `step`); all
   replicas advance it together, so they always agree on the leader.
 * Dense variables (`min_size`), warmup, non-finite gradients and state as in
-  TopK / DCTDP (see tf_dct/compression/topk.py). State per compressed variable
-  and replica: `residual`, and `scalars` packing `step`, `sent` (k, or n on
-  a warmup step) and `overflow` (always 0).
+  TopK / DCTDP (see tf_dct/compression/error_feedback_compressor.py). State
+  per compressed variable and replica: `residual`, and `scalars` packing
+  `step`, `sent` (k, or n on a warmup step) and `overflow` (always 0).
 """
 
 from __future__ import annotations
@@ -33,24 +33,18 @@ import tensorflow as tf
 
 from tf_dct import primitives
 from tf_dct.compression import accounting
+from tf_dct.compression import error_feedback_compressor
 from tf_dct.compression import sparse_wire
 from tf_dct.compression import topk
 
 
-class CLTK(topk.ErrorFeedbackCompressor):
+class CLTK(error_feedback_compressor.ErrorFeedbackCompressor):
   """Cyclic local top-k: the step's leader selects, everyone sends there.
 
   Args:
     density: fraction of each variable's entries selected, in (0, 1].
-    min_size: variables with fewer entries always go dense, an int >= 0.
-    warmup_steps: steps during which every variable goes dense, an int >= 0.
-    name: module name.
-    exclude: regular expressions searched in variable names; matching
-      variables are all-reduced as they are and keep no state (see
-      `Compressor.reduce_as_is`).
-    sparse_gradients: "auto" (default), "stock" or "compress": how
-      `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
-      them as TF does where that moves fewer bytes (`Compressor`).
+    min_size, warmup_steps, name, exclude, sparse_gradients: as in
+      `ErrorFeedbackCompressor`.
   """
 
   def __init__(self, density: float = 0.01, min_size: int = 0,
@@ -104,7 +98,7 @@ class CLTK(topk.ErrorFeedbackCompressor):
       # Two all-reduces of k slots: the positions (int32) and the values.
       report = dict(reduce_bytes=k * (4 + it.acc.dtype.size),
                     selection_seconds=secs)
-      out.append(topk.Outcome(sparse_wire.scatter_sum(idx, val, it.n), residual,
-                              tf.constant(k, tf.int32), tf.constant(0, tf.int32),
-                              {}, report))
+      out.append(error_feedback_compressor.Outcome(
+          sparse_wire.scatter_sum(idx, val, it.n), residual,
+          tf.constant(k, tf.int32), tf.constant(0, tf.int32), {}, report))
     return out

@@ -105,7 +105,6 @@ from __future__ import annotations
 import functools
 import dataclasses
 import numbers
-import re
 from typing import Sequence
 
 import tensorflow as tf
@@ -369,12 +368,7 @@ class DEFT(Compressor):
     self.check_variable(variable)
     if self._is_dense(variable):
       return {}
-    base = "deft/" + re.sub(r"[^A-Za-z0-9_]+", "_", variable.name.split(":")[0])
-    return {
-        "residual": self.per_replica_state(
-            tf.zeros(variable.shape, variable.dtype), name=f"{base}/residual"),
-        "scalars": self.scalars_state(variable, f"{base}/scalars"),
-    }
+    return self.residual_state(variable, "deft")
 
   def scalar_dtypes(self, variable):
     return {"step": tf.int64, "sent": tf.int32, "selected": tf.int32}

@@ -15,8 +15,9 @@ Conventions (tests/compression/reference_baselines.py follows them exactly):
   position order; selected entries that do not fit stay in the residual
   (counted in `overflow`), nothing is dropped.
 * Dense variables (`min_size`), warmup, non-finite gradients and state as in
-  TopK / DCTDP (see tf_dct/compression/topk.py). State per compressed variable
-  and replica: `residual`, and `scalars` packing `step`, `sent`, `overflow`.
+  TopK / DCTDP (see tf_dct/compression/error_feedback_compressor.py). State
+  per compressed variable and replica: `residual`, and `scalars` packing
+  `step`, `sent`, `overflow`.
 """
 
 from __future__ import annotations
@@ -26,26 +27,20 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tf_dct.compression import error_feedback_compressor
 from tf_dct.compression import sparse_wire
 from tf_dct.compression import topk
 
 
-class HardThreshold(topk.ErrorFeedbackCompressor):
+class HardThreshold(error_feedback_compressor.ErrorFeedbackCompressor):
   """Fixed-threshold sparsification with error feedback.
 
   Args:
     threshold: lambda, a finite number >= 0 (DEFT §3.2: fixed for the run).
     capacity_density: wire slots per variable as a fraction of its entries,
       in (0, 1].
-    min_size: variables with fewer entries always go dense, an int >= 0.
-    warmup_steps: steps during which every variable goes dense, an int >= 0.
-    name: module name.
-    exclude: regular expressions searched in variable names; matching
-      variables are all-reduced as they are and keep no state (see
-      `Compressor.reduce_as_is`).
-    sparse_gradients: "auto" (default), "stock" or "compress": how
-      `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
-      them as TF does where that moves fewer bytes (`Compressor`).
+    min_size, warmup_steps, name, exclude, sparse_gradients: as in
+      `ErrorFeedbackCompressor`.
   """
 
   def __init__(self, threshold: float, capacity_density: float = 0.05,
