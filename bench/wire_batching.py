@@ -14,7 +14,7 @@ hidden layers of `--mlp_width` units (2 L + 2 variables, every buffer short),
 native=False) (the grouping is a stock-op path; the native kernel selects
 every variable in one op) traced three ways: with the wire's batching off
 (`BATCH_CAPACITY = 0`), with the selection's grouping of small variables
-off (`dct_dp.FUSE_SIZE = 0`), and with both on, against Dense; interleaved
+off (`dct_dp_fast.FUSE_SIZE = 0`), and with both on, against Dense; interleaved
 blocks, medians. It also prints how long each side took to trace and run
 its first step.
 
@@ -42,7 +42,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 import tensorflow as tf  # pylint: disable=wrong-import-position
 
 import tf_dct  # pylint: disable=wrong-import-position
-from tf_dct.compression import dct_dp  # pylint: disable=wrong-import-position
+from tf_dct.compression import dct_dp_fast  # pylint: disable=wrong-import-position
 from tf_dct.compression import sparse_wire  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -122,14 +122,14 @@ def mlp_step(repl, compressor, layers, width, data, batch_capacity,
     del ctx
     return tf.data.Dataset.from_tensor_slices(data).repeat().batch(256)
 
-  saved = sparse_wire.BATCH_CAPACITY, dct_dp.FUSE_SIZE
+  saved = sparse_wire.BATCH_CAPACITY, dct_dp_fast.FUSE_SIZE
   sparse_wire.BATCH_CAPACITY = batch_capacity
-  dct_dp.FUSE_SIZE = saved[1] if fuse_size is None else fuse_size
+  dct_dp_fast.FUSE_SIZE = saved[1] if fuse_size is None else fuse_size
   start = time.perf_counter()
   try:
     repl.run(step_fn, input_fn)  # traced with these settings
   finally:
-    sparse_wire.BATCH_CAPACITY, dct_dp.FUSE_SIZE = saved
+    sparse_wire.BATCH_CAPACITY, dct_dp_fast.FUSE_SIZE = saved
   return (lambda: repl.run(step_fn, input_fn)), time.perf_counter() - start
 
 

@@ -10,6 +10,7 @@ import tensorflow as tf
 import tf_dct
 from tf_dct.compression import DCTDP
 from tf_dct.compression import dct_dp
+from tf_dct.compression import dct_dp_fast
 from tf_dct.compression import sparse_wire
 from tests import conservation
 from tests import util
@@ -25,13 +26,13 @@ def setUpModule():
 
 @contextlib.contextmanager
 def _fuse_size(size):
-  """Traces DCTDP with `dct_dp.FUSE_SIZE = size` (None: as it is)."""
-  saved = dct_dp.FUSE_SIZE
-  dct_dp.FUSE_SIZE = saved if size is None else size
+  """Traces DCTDP with `dct_dp_fast.FUSE_SIZE = size` (None: as it is)."""
+  saved = dct_dp_fast.FUSE_SIZE
+  dct_dp_fast.FUSE_SIZE = saved if size is None else size
   try:
     yield
   finally:
-    dct_dp.FUSE_SIZE = saved
+    dct_dp_fast.FUSE_SIZE = saved
 
 
 SHAPES = harness.SHAPES
@@ -191,6 +192,42 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(dct_dp.num_below(1000, 0.99, 8), 990)  # 10 >= 8 already
     self.assertEqual(dct_dp.num_below(5, 0.99, 8), 0)       # k = n
     self.assertEqual(dct_dp.capacity(100, 0.99, 2.0, 8), 16)
+
+  def test_select_one_variable_by_hand(self):
+    """`dct_dp.select`, Algorithm 1 lines 3-11, on a worked example."""
+    acc = tf.constant([0.5, -3.0, 0.0, 2.0, 1.0, -2.0])
+    # m = 3: sorted |acc| is 0, .5, 1, 2, 2, 3, so a fresh tau is w_3 = 2; the
+    # tie -2 is selected too (3 entries), and capacity 2 sends the first two.
+    fresh = dct_dp.select(acc, tf.constant(9.0), tf.constant(True), 3, 2)
+    self.assertEqual(float(fresh.tau), 2.0)
+    self.assertTrue(bool(fresh.refresh))
+    self.assertIsNone(fresh.early)
+    self.assertEqual(int(fresh.selected), 3)
+    self.assertAllEqual(fresh.idx, [1, 3])
+    self.assertAllEqual(fresh.val, [-3.0, 2.0])
+    self.assertAllEqual(fresh.residual, [0.5, 0, 0, 0, 1, -2])  # -2 waits
+    # Reused tau 1 (line 7): 1, 3, 4, 5 reach it; the zero never goes.
+    kept = dct_dp.select(acc, tf.constant(1.0), tf.constant(False), 3, 4)
+    self.assertEqual(float(kept.tau), 1.0)
+    self.assertAllEqual(kept.idx, [1, 3, 4, 5])
+    self.assertAllEqual(kept.residual, [0.5, 0, 0, 0, 0, 0])
+    # The guard: tau 2.5 selects 1 < 0.5 * 3 entries, so it is refreshed;
+    # tau 0.1 selects 5 <= 2 * 3 and stays.
+    early = dct_dp.select(acc, tf.constant(2.5), tf.constant(False), 3, 2,
+                          band=(0.5, 2.0))
+    self.assertTrue(bool(early.early))
+    self.assertEqual(float(early.tau), 2.0)
+    calm = dct_dp.select(acc, tf.constant(0.1), tf.constant(False), 3, 6,
+                         band=(0.5, 2.0))
+    self.assertFalse(bool(calm.early))
+    self.assertEqual(float(calm.tau), np.float32(0.1))
+    self.assertEqual(int(calm.selected), 5)
+    # A warm step selects nothing: everything stays for the dense sum.
+    warm = dct_dp.select(acc, tf.constant(1.0), tf.constant(False), 3, 2,
+                         band=(0.5, 2.0), warm=tf.constant(True))
+    self.assertEqual(int(warm.selected), 0)
+    self.assertFalse(bool(warm.early))
+    self.assertAllEqual(warm.residual, acc)
 
   def test_non_float_variable(self):
     repl = tf_dct.Replicator(["/cpu:0"])

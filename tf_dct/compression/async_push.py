@@ -286,32 +286,18 @@ class AsyncPush:
     residual, threshold, step = st["residual"], st["threshold"], st["step"]
     # Per-worker variables cannot be read inside tf.cond branches.
     k = step.read_value()
-    old_tau = threshold.read_value()
     acc = tf.reshape(tf.cast(grad, var.dtype), [-1]) + tf.reshape(
         residual.read_value(), [-1])                                   # line 2
-    magnitude = tf.abs(acc)
-    warm = k < c.warmup_steps
-    refresh = tf.logical_and(tf.logical_not(warm),
-                             (k - c.warmup_steps) % c.threshold_life == 0)  # line 3
-    early = tf.constant(False)
-    if c.density_band is not None:  # DCTDP's density guard, as in dct_dp.py
-      low, high = c.density_band
-      expected = n - m
-      reused = tf.cast(tf.reduce_sum(tf.cast(
-          magnitude >= old_tau, tf.int32)), tf.float64)
-      early = tf.logical_and(
-          tf.logical_not(tf.logical_or(refresh, warm)),
-          tf.logical_or(reused < low * expected, reused > high * expected))
-      refresh = tf.logical_or(refresh, early)
-    tau = tf.cond(refresh,
-                  lambda: dct_dp.order_statistic_threshold(magnitude, m),  # lines 4-5
-                  lambda: old_tau)                                     # line 7
-    mask = tf.logical_and(magnitude >= tau, magnitude > 0)             # line 9 (zeros carry nothing)
-    idx, val, count, fitted = sparse_wire.compact(acc, mask, cap)
-    dense_step = tf.logical_or(drain, warm)
+    warm, due = dct_dp.schedule(k, c.threshold_life, c.warmup_steps)   # line 3
+    picked = dct_dp.select(acc, threshold.read_value(), due, m, cap,   # 3-11
+                           c.density_band, warm)
+    tau, refresh = picked.tau, picked.refresh
+    early = picked.early if picked.early is not None else tf.constant(False)
+    count = tf.minimum(picked.selected, cap)
+    dense_step = drain if warm is None else tf.logical_or(drain, warm)
     lr = tf.constant(self.learning_rate, var.dtype)
     # Only `count` entries leave the worker: the buffers are cut to it here.
-    positions, values = idx[:count], lr * val[:count]
+    positions, values = picked.idx[:count], lr * picked.val[:count]
 
     def sparse_push():
       with tf.device(var.device):   # positions are unravelled on the server
@@ -324,7 +310,7 @@ class AsyncPush:
 
     pushed = tf.cond(dense_step, dense_push, sparse_push)              # line 12
     zero = tf.zeros_like(acc)
-    new_residual = tf.where(dense_step, zero, tf.where(fitted, zero, acc))  # 10-11
+    new_residual = tf.where(dense_step, zero, picked.residual)        # 10-11
     # Every write consumes the value it replaces: with per-worker variables
     # only data dependencies order a read before a write (see __call__).
     with tf.control_dependencies([pushed]):
