@@ -17,6 +17,12 @@ def floor_fraction(n: int, fraction: float) -> int:
 
   Binary floating point would give floor(100 * 0.29) = 28; sparsities and
   densities are meant as written, so this gives 29.
+
+  Example:
+    >>> math.floor(100 * 0.29)
+    28
+    >>> floor_fraction(100, 0.29)
+    29
   """
   return math.floor(as_decimal(fraction) * n)
 
@@ -27,6 +33,14 @@ def check_number(owner: str, name: str, value, kind, lo, lo_open: bool,
 
   The message names the owner, the parameter and the allowed range, e.g.
   "DCTDP: sparsity must be a number in (0, 1), got 1.5".
+
+  Example:
+    >>> check_number("DCTDP", "sparsity", 0.99, numbers.Real, 0, True, 1, True)
+    0.99
+    >>> check_number("DCTDP", "sparsity", 1.5, numbers.Real, 0, True, 1, True)
+    Traceback (most recent call last):
+    ...
+    ValueError: DCTDP: sparsity must be a number in (0, 1), got 1.5
   """
   if hi is None:
     allowed = f"{'>' if lo_open else '>='} {lo}"

@@ -133,6 +133,16 @@ def wire_bytes(n: int, capacity: int, dtype, encoding: str = "auto") -> int:
   """Bytes one replica contributes to the all-gather for one vector.
 
   Index words (counts, offsets, padding) plus `capacity` value slots.
+
+  Example:
+    10 float32 slots for a vector of 1000 entries: "auto" picks "chunk8"
+    (4 one-byte chunk counts and 10 one-byte offsets: 4 words), "int32"
+    sends one word per slot.
+
+    >>> wire_bytes(1000, 10, tf.float32)
+    56
+    >>> wire_bytes(1000, 10, tf.float32, encoding="int32")
+    80
   """
   value_bytes = tf.as_dtype(dtype).size
   return make_encoding(encoding, n, capacity).index_bytes + capacity * value_bytes
@@ -412,6 +422,18 @@ def compact(acc_flat: tf.Tensor, mask: tf.Tensor, capacity: int,
     (min(selected, capacity)), and a bool[n] mask of the entries that were
     packed: the first `capacity` selected entries in position order. Selected
     entries outside `fitted` were not packed.
+
+  Example:
+    >>> x = tf.constant([0.5, -2.0, 0.0, 1.5, 3.0])
+    >>> idx, val, count, fitted = compact(x, tf.abs(x) >= 1.0, capacity=4)
+    >>> idx.numpy().tolist(), val.numpy().tolist(), int(count)
+    ([1, 3, 4, 5], [-2.0, 1.5, 3.0, 0.0], 3)
+
+    With 2 slots the third selected entry does not fit:
+
+    >>> idx, val, count, fitted = compact(x, tf.abs(x) >= 1.0, capacity=2)
+    >>> idx.numpy().tolist(), fitted.numpy().tolist()
+    ([1, 3], [False, True, False, True, False])
   """
   n = acc_flat.shape[0]
   if n is None or acc_flat.shape.rank != 1:
@@ -528,7 +550,14 @@ def compact_segments(flat: tf.Tensor, mask: tf.Tensor, ends: tf.Tensor,
 
 
 def scatter_sum(idx: tf.Tensor, val: tf.Tensor, n: int) -> tf.Tensor:
-  """Dense vector of length n: sum of `val` at `idx`; indices >= n are dropped."""
+  """Dense vector of length n: sum of `val` at `idx`; indices >= n are dropped.
+
+  Example:
+    >>> idx = tf.constant([1, 3, 1, 5])  # 5 = n: padding
+    >>> val = tf.constant([1.0, 2.0, 0.5, 9.0])
+    >>> scatter_sum(idx, val, 5).numpy().tolist()
+    [0.0, 1.5, 0.0, 2.0, 0.0]
+  """
   # unsorted_segment_sum drops a negative segment id, so the padding (n)
   # needs no extra segment, and the result no copy of its first n entries.
   return tf.math.unsorted_segment_sum(val, tf.where(idx < n, idx, -1), n)

@@ -51,7 +51,12 @@ def num_dropped(d: int, sparsity: float) -> int:
 
 
 def num_kept(d: int, sparsity: float) -> int:
-  """k = d - floor(d * sparsity): entries kept per row."""
+  """k = d - floor(d * sparsity): entries kept per row.
+
+  Example:
+    >>> num_kept(100, 0.29)  # floor(100 * 0.29) = 29 dropped, as written
+    71
+  """
   return d - num_dropped(d, sparsity)
 
 
@@ -114,6 +119,13 @@ def dct_mp(x, sparsity: float) -> tf.Tensor:
 
   Returns:
     X ⊙ M. The gradient is dY ⊙ M with the same M (Algorithm 2 lines 12-14).
+
+  Example:
+    With d = 4 and sparsity 0.5, the 2 largest |x| of each row stay:
+
+    >>> x = tf.constant([[0.5, -2.0, 1.0, 0.25], [3.0, 0.0, -0.25, 0.5]])
+    >>> dct_mp(x, 0.5).numpy().tolist()
+    [[0.0, -2.0, 1.0, 0.0], [3.0, 0.0, 0.0, 0.5]]
   """
   x, _, _ = check_input(x, sparsity, "dct_mp")
 
