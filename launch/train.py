@@ -787,6 +787,18 @@ class Job:
     out["thresholds"] = {name: mean(v["last"]["threshold"])
                          for name, v in stats["variables"].items()
                          if any(v["last"]["threshold"])}
+    # Per phase (warm-up, schedule stages) of a compressor with phases: the
+    # steps run in it and its own ratios.
+    out["phases"] = []
+    for phase in stats.get("phases", ()):
+      sums = {key: mean(phase["total"][key]) for key in
+              ("bytes_sent", "stock_bytes", "dense_bytes")}
+      per = lambda base: (sums[base] / sums["bytes_sent"]
+                          if sums["bytes_sent"] else math.inf)
+      out["phases"].append({"start": phase["start"], "dense": phase["dense"],
+                            "steps": int(np.max(phase["steps"])),
+                            "stock_ratio": per("stock_bytes"),
+                            "ratio": per("dense_bytes")})
     return out
 
   def mp_bytes(self) -> dict | None:
@@ -881,6 +893,11 @@ def print_table(s: dict, cfg: dict) -> None:
                                             f"{c['payload_ratio']:.1f}x)"))
       rows.append(("achieved density (mean, last)", f"{c['density']:.4f}, "
                                                     f"{c['last_density']:.4f}"))
+      phases = [p for p in c.get("phases", ()) if p["steps"]]
+      if phases:
+        rows.append(("DP ratio per phase vs stock TF", "; ".join(
+            f"from step {p['start']}{' (dense)' if p['dense'] else ''}: "
+            f"{p['stock_ratio']:.2f}x over {p['steps']} steps" for p in phases)))
   elif s["compression"] != "none":
     rows.append(("DP bytes sent / replica",
                  f"not reported (tf_dct.compression.{COMPRESSOR_CLASSES[s['compression']]} "

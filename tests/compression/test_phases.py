@@ -282,6 +282,20 @@ class KerasPhasesTest(tf.test.TestCase, parameterized.TestCase):
     per_step = np.diff([0] + totals)
     self.assertAllEqual(per_step[:WARMUP], [dense] * WARMUP)
     self.assertLess(max(per_step[WARMUP:]), dense / 2)
+    # Each phase's totals hold its own steps, and together the whole run.
+    stats = comp.communication_stats()
+    phases = stats["phases"]
+    self.assertEqual([(p["start"], p["dense"]) for p in phases],
+                     [(0, True), (WARMUP, False)])
+    self.assertEqual([p["steps"] for p in phases], [[WARMUP] * 2, [3] * 2])
+    self.assertEqual(phases[0]["total"]["payload_bytes"][0], WARMUP * dense)
+    self.assertEqual(phases[1]["total"]["payload_bytes"][0],
+                     totals[-1] - totals[WARMUP - 1])
+    for field in ("payload_bytes", "bytes_sent", "dense_bytes", "nnz"):
+      self.assertEqual(sum(p["total"][field][1] for p in phases),
+                       stats["total"][field][1], msg=field)
+    self.assertEqual(phases[0]["total"]["dense_payload_bytes"][0],
+                     phases[0]["total"]["payload_bytes"][0])  # ratio 1 dense
 
   def test_a_checkpoint_of_the_dense_phase_resumes_across_the_switch(self):
     repl, model, comp, opt, (x, y), _ = self._setup()
@@ -328,6 +342,11 @@ class KerasPhasesTest(tf.test.TestCase, parameterized.TestCase):
     self.assertGreater(gather, 0)
     self.assertLess(gather, dense / 2)
     self.assertAllClose(sent[True], WARMUP * dense + (steps - WARMUP) * gather,
+                        rtol=1e-12, atol=0)
+    phases = comp.communication_stats()["phases"]  # the callback's run
+    self.assertEqual([p["steps"][0] for p in phases], [WARMUP, steps - WARMUP])
+    self.assertAllClose([p["total"]["payload_bytes"][0] for p in phases],
+                        [WARMUP * dense, (steps - WARMUP) * gather],
                         rtol=1e-12, atol=0)
 
   def test_phase_callback_needs_a_wrapped_optimizer(self):

@@ -189,8 +189,8 @@ class ModelsTest(tf.test.TestCase):
   """`--config=local` for every other model and loop, one compressor each."""
 
   def test_dlrm_fit_loop_topk_with_warmup(self):
-    s = train.train(_cfg(model="dlrm", loop="fit", compression="topk",
-                         warmup_steps=5))
+    cfg = _cfg(model="dlrm", loop="fit", compression="topk", warmup_steps=5)
+    s = train.train(cfg)
     self.assertEqual(s["steps"], 30)
     _assert_learns(self, s)
     self.assertIn("auc", s["eval"])
@@ -199,6 +199,22 @@ class ModelsTest(tf.test.TestCase):
     # send more than the densified baseline.
     self.assertLess(s["communication"]["bytes_sent"],
                     0.5 * s["communication"]["dense_bytes"])
+    # Each phase's own ratio: the warm-up all-reduces everything densified.
+    warm, compressed = s["communication"]["phases"]
+    self.assertEqual((warm["start"], warm["dense"], warm["steps"]), (0, True, 5))
+    self.assertEqual((compressed["start"], compressed["dense"],
+                      compressed["steps"]), (5, False, 25))
+    self.assertAllClose(warm["ratio"], 1.0, rtol=1e-12, atol=0)
+    self.assertGreater(compressed["ratio"], 2.0)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      train.print_table(s, cfg)
+    rows = [[c.strip() for c in line.split("|")[1:3]]
+            for line in out.getvalue().splitlines() if line.startswith("| ")]
+    self.assertIn(["DP ratio per phase vs stock TF",
+                   f"from step 0 (dense): {warm['stock_ratio']:.2f}x over 5 "
+                   f"steps; from step 5: {compressed['stock_ratio']:.2f}x over "
+                   "25 steps"], rows)
 
   def test_ncf_deft(self):
     s = train.train(_cfg(model="ncf", compression="deft", **TWO_REPLICAS))

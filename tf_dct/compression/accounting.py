@@ -315,6 +315,8 @@ class Accounting(tf.Module):
     super().__init__(name=name)
     self.per_variable = {}   # state key -> {"stats": PerReplicaState}
     self.overall = {}     # "stats"
+    self.phases = {}      # "stats": [phases, len(FIELDS) + 1] totals per phase
+    self._phase_info = ()  # (start, dense) per phase of the compressor
     self._names = {}      # state key -> display name
     self._counter_names = {}
 
@@ -325,6 +327,13 @@ class Accounting(tf.Module):
       # restore of a checkpoint read before this state existed.
       self.overall["stats"] = compressor.per_replica_state(
           tf.zeros([2, len(FIELDS) + 1], tf.float64), name="tf_dct_stats/all")
+      starts = compressor.phase_starts()
+      if len(starts) > 1:  # the totals of each phase, like the TOTAL row
+        self._phase_info = tuple((start, compressor.phase_is_dense(i))
+                                 for i, start in enumerate(starts))
+        self.phases["stats"] = compressor.per_replica_state(
+            tf.zeros([len(starts), len(FIELDS) + 1], tf.float64),
+            name="tf_dct_stats/phases")
     if key not in self.per_variable:
       taken = set(self._names.values())
       self._names[key] = name if name not in taken else key
@@ -339,8 +348,11 @@ class Accounting(tf.Module):
     return self.per_variable[key]
 
   def update(self, records: Mapping[str, Record], num_replicas: int,
-             summaries: bool) -> None:
+             summaries: bool, phase: int | None = None) -> None:
     """Writes this step's records of the calling replica (in replica context).
+
+    `phase`: the compressor's phase this step was traced in (None without a
+    phase driver); its totals get this step too.
 
     All records go into one [V, len(FIELDS) + 1] matrix (fields, then tau)
     built with a few ops whatever V is, the counter amounts into one [V, C]
@@ -392,6 +404,11 @@ class Accounting(tf.Module):
     new = tf.stack([tf.concat([step_vec, zero], 0),
                     overall.read_value()[TOTAL] + tf.concat([step_vec, one], 0)])
     overall.assign(new)
+    if phase is not None and self.phases:
+      totals = self.phases["stats"].local()
+      totals.assign(tf.tensor_scatter_nd_add(
+          totals.read_value(), [[phase]],
+          tf.concat([step_vec, one], 0)[None]))
     if summaries:
       self._summarize(records, rows, step_vec, new[TOTAL, fields])
 
@@ -434,6 +451,13 @@ class Accounting(tf.Module):
     out["steps"] = [int(m[TOTAL, fields]) for m in overall]
     out["last"] = _fields([m[LAST] for m in overall], local)
     out["total"] = _fields([m[TOTAL] for m in overall], local)
+    if self.phases:
+      totals = self.phases["stats"].numpy()  # [local, phases, fields + 1]
+      out["phases"] = [
+          {"start": start, "dense": dense,
+           "steps": [int(m[i, fields]) for m in totals],
+           "total": _fields([m[i] for m in totals], local)}
+          for i, (start, dense) in enumerate(self._phase_info)]
     for key, st in self.per_variable.items():
       stats = st["stats"].numpy()
       last, total = [m[LAST] for m in stats], [m[TOTAL] for m in stats]

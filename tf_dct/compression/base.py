@@ -443,6 +443,11 @@ class Compressor(tf.Module):
     of `accounting.FIELDS`, `density` and `local_density` to a per-replica
     list) and `variables` (per variable name: `size`, `steps`, `last` (with
     `threshold`), `total`, and `counters` when the compressor reports any).
+    A compressor with phases (a warm-up, a sparsity schedule) also has
+    `phases`: per phase its `start` step, whether it is `dense`, and the
+    `steps` and `total` of the steps traced in that phase (by
+    `Replicator.run` or `tf_dct.keras.phase_callback`; steps decided in the
+    graph count only in `total`).
     """
     if self._replicator is None:
       raise RuntimeError("bind the compressor (replicator.wrap_optimizer) first")
@@ -468,7 +473,7 @@ class Compressor(tf.Module):
             for r in results if r is not None]
     with tf.control_dependencies(error_feedback.gate(done)):
       self.accounting.update({k: rec for k, (_, rec) in records.items()},
-                             ctx.num_replicas_in_sync, summaries)
+                             ctx.num_replicas_in_sync, summaries, self.phase)
 
   def per_replica_state(self, initial_value, name: str):
     if self._replicator is None:

@@ -16,7 +16,7 @@ class DCTSplit(SplitLayerMixin, tf_keras.layers.Layer):
   `SplitCore` for the arguments, the inference behaviour
   (`apply_at_inference`), modes, device fallback and accounting. Inputs are
   not autocast: the op runs in the input's dtype (float16, bfloat16,
-  float32).
+  float32 or float64).
   """
 
   def _add_state(self, name: str, shape: list, dtype: tf.DType):
