@@ -116,9 +116,10 @@ def _stock_ring_bytes(rows, width, replicas=REPLICAS):
   return (replicas - 1) * (4 + rows * (4 * width + 4))
 
 
-def _sparse_run(compressor, steps=2, jit_compile=False):
+def _sparse_run(compressor, steps=2, jit_compile=False, phases=False):
   """Feeds both TABLES IndexedSlices gradients; returns per step the
-  per-replica aggregates (dense) and the exact sums, and the tables."""
+  per-replica aggregates (dense) and the exact sums, and the tables.
+  `phases`: each step is traced in the compressor's phase of that step."""
   rng = np.random.default_rng(1)
   feeds = {name: (rng.integers(0, n, size=(steps, REPLICAS, k)).astype(np.int32),
                   rng.normal(size=(steps, REPLICAS, k, w)).astype(np.float32))
@@ -143,7 +144,13 @@ def _sparse_run(compressor, steps=2, jit_compile=False):
               tables[name]) for name in TABLES]
     return [tf.convert_to_tensor(g) for g, _ in compressor.aggregate(pairs)]
 
-  out = [util.local(repl, repl.run(step_fn, input_fn)) for _ in range(steps)]
+  done = [0]  # steps run so far
+  if phases:
+    repl.add_trace_hook(lambda: compressor.in_phase(done[0]))
+  out = []
+  for _ in range(steps):
+    out.append(util.local(repl, repl.run(step_fn, input_fn)))
+    done[0] += 1
   exact = []
   for t in range(steps):
     sums = []
@@ -193,6 +200,27 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
       self.assertEqual(compressor.sends_as_is(table), choice == "stock", name)
     exact_tall = np.allclose(out[0][0][1], exact[0][1], atol=1e-6)
     self.assertEqual(exact_tall, choice == "stock")
+
+  def test_a_dense_phase_sends_rows_as_tf_does(self):
+    # A warm-up step all-gathers a table's rows (exact sums at stock TF's
+    # bytes) instead of all-reducing the whole table; the compressed step
+    # that follows compresses the tables ("compress").
+    compressor = compression.DCTDP(sparsity=0.99, warmup_steps=1,
+                                   sparse_gradients="compress")
+    out, exact, tables = _sparse_run(compressor, steps=2, phases=True)
+    warm, compressed = compressor.communication_stats()["phases"]
+    self.assertEqual((warm["steps"], compressed["steps"]),
+                     ([1] * REPLICAS, [1] * REPLICAS))
+    for v in range(len(TABLES)):
+      for r in range(REPLICAS):
+        self.assertAllClose(out[0][r][v], exact[0][v], atol=1e-6, rtol=0)
+    self.assertEqual(warm["total"]["bytes_sent"],
+                     [_stock_ring_bytes(4, 8) + _stock_ring_bytes(64, 4)]
+                     * REPLICAS)
+    self.assertEqual(warm["total"]["stock_bytes"], warm["total"]["bytes_sent"])
+    self.assertNotAllClose(out[1][0][1], exact[1][1])
+    self.assertGreater(
+        np.abs(compressor.state_values(tables["tall"])["residual"]).sum(), 0)
 
   def test_auto_compresses_under_xla(self):
     # TF's all-gather of IndexedSlices has no XLA kernel.
