@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--threshold_life", type=int, default=1000, help="DCT-DP L, >= 1")
   p.add_argument("--mp_sparsity", type=float, default=0.9, help="DCT-MP sparsity in [0, 1)")
   p.add_argument("--density", type=float, default=0.01, help="DEFT/TopK density in (0, 1]")
+  p.add_argument("--min_count", type=int, default=None,
+                 help="entries every compressed variable sends at least, >= 0 "
+                      "(default: the compressor's)")
   p.add_argument("--compression_warmup", type=int, default=0,
                  help="first steps every compressor aggregates densely (their "
                  "warmup_steps), in [0, steps]; default 0")
@@ -216,6 +219,8 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
                     f"got {args.batch_size}")
   check_int("threshold_life", 1, 10**9)
   check_int("compression_warmup", 0, args.steps)
+  if args.min_count is not None:
+    check_int("min_count", 0, 10**9)
   check_int("seed", 0, 2**31 - 1)
   check_int("nice", 0, 19)
   check_int("port", 1024, 65535 - 2 * len(args.config_list))
@@ -532,7 +537,8 @@ def worker_argv(args: argparse.Namespace, config: str, handshake_dir: str) -> li
           f"--sparsity={args.sparsity}", f"--threshold_life={args.threshold_life}",
           f"--mp_sparsity={args.mp_sparsity}", f"--density={args.density}",
           f"--compression_warmup={args.compression_warmup}",
-          f"--seed={args.seed}", f"--timeout={args.timeout}"]
+          f"--seed={args.seed}", f"--timeout={args.timeout}"] + (
+              [] if args.min_count is None else [f"--min_count={args.min_count}"])
 
 
 def run_config(testbed: Testbed, args: argparse.Namespace, config: str, port: int,

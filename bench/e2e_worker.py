@@ -89,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--density", type=float, required=True)
   p.add_argument("--compression_warmup", type=int, default=0,
                  help="dense steps at the start (the compressor's warmup_steps)")
+  p.add_argument("--min_count", type=int, default=None,
+                 help="the compressors' min_count (default: theirs)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--timeout", type=float, default=3600.0,
                  help="seconds to wait for the driver at a handshake")
@@ -111,6 +113,8 @@ def launcher_config(args: argparse.Namespace) -> dict:
       mp_splits="paper" if args.config == "dctdp_mp" else "none",
       compression_exclude=["embeddings"] if args.config == "dctdp_fc" else [],
       explicit=frozenset())
+  if args.min_count is not None and cfg["compression"] in train.SPARSIFIERS:
+    cfg["min_count"] = args.min_count
   train.validate(cfg)
   return cfg
 

@@ -129,6 +129,7 @@ def make_testbed(runner=None, stubborn=False):
     (["--density=1.5"], "--density"),
     (["--threshold_life=0"], "--threshold_life"),
     (["--compression_warmup=-1"], "--compression_warmup"),
+    (["--min_count=-1"], "--min_count"),
     (["--steps=10", "--compression_warmup=11"], "--compression_warmup"),
     (["--seed=-1"], "--seed"),
     (["--nice=20"], "--nice"),
@@ -176,6 +177,16 @@ def test_worker_passes_the_compression_warmup_to_the_launcher():
     cfg = e2e_worker.launcher_config(e2e_worker.parse_args(argv))
     assert cfg["warmup_steps"] == want
     assert cfg["compression"] == "dct"
+
+
+def test_worker_passes_min_count_to_compressing_configs_only():
+  from bench import e2e_worker  # pylint: disable=g-import-not-at-top
+  for flags, config, want in (([], "dctdp", None),
+                              (["--min_count=8"], "dctdp", 8),
+                              (["--min_count=8"], "native", None)):
+    argv = e2e_link.worker_argv(e2e_link.parse_args(flags), config, "/x")
+    cfg = e2e_worker.launcher_config(e2e_worker.parse_args(argv))
+    assert cfg.get("min_count") == want, (flags, config)
 
 
 def test_main_reports_bad_flag_before_anything(capsys):

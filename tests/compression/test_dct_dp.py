@@ -75,7 +75,7 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
       ("2_replicas_stock_one_by_one", 2, {}, 0, False),
       ("2_replicas_warmup_stock_grouped", 2, {"warmup_steps": 3}, None, False),
       ("2_replicas_warmup_stock_one_by_one", 2, {"warmup_steps": 3}, 0, False),
-      # The default floor of 8 entries: both variables (30 and 17 entries)
+      # A floor of 8 entries: both variables (30 and 17 entries)
       # select 8 instead of 6 and 4; native and stock.
       ("2_replicas_min_count", 2, {"min_count": 8}),
       ("2_replicas_min_count_stock", 2, {"min_count": 8}, None, False),

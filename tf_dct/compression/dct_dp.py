@@ -255,8 +255,9 @@ class DCTDP(Compressor):
     min_count: every compressed variable selects at least min(n, min_count)
       entries per step, an int >= 0 (beyond the paper; 0 is Algorithm 1
       exactly). At sparsity 0.99 a bias or a small layer would otherwise
-      send 1-2 entries a step and fall far behind; 8 costs a few hundred
-      bytes per step on a whole model (docs/quality.md).
+      send 1-2 entries a step and fall far behind; 64 costs a few percent
+      of the bytes on a large model and more on a tiny one, and kept
+      quality under every optimizer measured (docs/quality.md).
     momentum: momentum correction (`momentum_correction`): each replica
       keeps the velocity u = momentum * u + g of its gradients and feeds it
       to error feedback; the optimizer must then be plain SGD for the
@@ -298,7 +299,7 @@ class DCTDP(Compressor):
                warmup_steps: int = 0, name: str | None = None,
                density_band: tuple[float, float] | None = (0.5, 2.0),
                index_encoding: str = "auto", exclude: Sequence[str] = (),
-               native: bool | None = None, min_count: int = 8,
+               native: bool | None = None, min_count: int = 64,
                momentum: float | None = None, momentum_masking: bool = False,
                adam: bool | None = None, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
