@@ -335,7 +335,8 @@ class StockBaselineTest(tf.test.TestCase, parameterized.TestCase):
   def test_compressor_is_priced_against_the_incoming_gradient(self):
     # DCT-DP compresses the table (and densifies the 1-entry bias below
     # min_size); the baselines still price the gradients it was handed.
-    stats = self._train(DCTDP(sparsity=0.9, threshold_life=2, min_size=2))
+    stats = self._train(DCTDP(sparsity=0.9, threshold_life=2, min_size=2,
+                              min_count=8))
     self._assert_baselines(stats, 2)
     table = next(v for v in stats["variables"].values() if v["size"] == 40)
     self.assertLess(table["last"]["payload_bytes"][0], 124)

@@ -153,7 +153,8 @@ class ConservationTest(tf.test.TestCase):
 
   def test_conservation_with_checkpoint(self):
     residuals = harness.check_conservation(
-        self, DCTDP(sparsity=0.9, threshold_life=7, capacity_factor=1.5),
+        self, DCTDP(sparsity=0.9, threshold_life=7, capacity_factor=1.5,
+                    min_count=8),
         layers=conservation.TWO_LAYERS)
     # Replicas held back different errors (per-replica state). (The 1-entry
     # output bias has m = floor(0.9) = 0: always sent whole, residual 0.)
@@ -240,7 +241,8 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_non_finite_gradient_leaves_state_alone(self):
     harness.check_non_finite(
-        self, DCTDP(sparsity=0.8, threshold_life=5, capacity_factor=1.5),
+        self, DCTDP(sparsity=0.8, threshold_life=5, capacity_factor=1.5,
+                    min_count=8),
         "DCTDP: non-finite gradient for variable")
 
   @parameterized.named_parameters(("inf", np.inf), ("nan", np.nan))
@@ -359,7 +361,7 @@ class GroupingTest(tf.test.TestCase, parameterized.TestCase):
       for g in step:
         g[3] *= 2.0**t
     kwargs = dict(sparsity=0.7, threshold_life=4, warmup_steps=2,
-                  capacity_factor=1.2)
+                  capacity_factor=1.2, min_count=8)
     runs = {}
     # 35: variables 1 and 2 grouped, 0 and 3 alone; 10**9: one group of all.
     for size in (0, 35, 10**9):
@@ -400,7 +402,7 @@ class GroupingTest(tf.test.TestCase, parameterized.TestCase):
     runs = [(0, False), (10**9, False)] + ([(0, True)] if native_ops.available()
                                           else [])
     for size, native in runs:
-      compressor = DCTDP(0.7, threshold_life=3, native=native)
+      compressor = DCTDP(0.7, threshold_life=3, native=native, min_count=8)
       repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"],
                                input_replication=tf_dct.PER_REPLICA)
       compressor.bind(repl)
@@ -459,7 +461,8 @@ class NativeTest(tf.test.TestCase, parameterized.TestCase):
         g[0][0, :2] = 0.0  # zeros stay behind even when tau is 0
     runs = {}
     for native in (False, True):
-      compressor = DCTDP(0.7, threshold_life=4, native=native, **extra)
+      compressor = DCTDP(0.7, threshold_life=4, native=native, min_count=8,
+                         **extra)
       with _fuse_size(0):  # stock: every variable alone (native: one op)
         repl, step_fn, _, history = harness.run(compressor, grads, 2,
                                                 shapes=shapes)
@@ -503,7 +506,7 @@ class NativeTest(tf.test.TestCase, parameterized.TestCase):
   def test_non_finite_gradient_leaves_state_alone(self):
     test_native.require_native(self)
     harness.check_non_finite(  # both variables in one native op
-        self, DCTDP(sparsity=0.8, threshold_life=5, native=True),
+        self, DCTDP(sparsity=0.8, threshold_life=5, native=True, min_count=8),
         "DCTDP: non-finite gradient for variable .* : Tensor had NaN")
 
   def test_native_argument(self):
@@ -566,7 +569,8 @@ class DensityGuardTest(tf.test.TestCase, parameterized.TestCase):
     grads = [[[rng.normal(size=n).astype(np.float32)]] for _ in range(steps)]
     selected = {}
     for name, band in (("literal", None), ("default", (0.5, 2.0))):
-      compressor = DCTDP(sparsity, threshold_life=1000, density_band=band)
+      compressor = DCTDP(sparsity, threshold_life=1000, density_band=band,
+                         min_count=0)  # K = k, no floor
       *_, history = harness.run(compressor, grads, 1, shapes=[(n,)])
       selected[name] = np.array([st[0]["sent"][0] + st[0]["overflow"][0]
                                  for _, st in history])

@@ -249,7 +249,8 @@ class KerasPhasesTest(tf.test.TestCase, parameterized.TestCase):
       k.utils.set_random_seed(0)
       model = k.Sequential([k.Input((4,)), k.layers.Dense(64, activation="tanh"),
                             k.layers.Dense(1)])
-      comp = compression.DCTDP(threshold_life=2, warmup_steps=WARMUP)
+      comp = compression.DCTDP(threshold_life=2, warmup_steps=WARMUP,
+                               min_count=8)  # 64 would send these layers whole
       opt = repl.wrap_optimizer(k.optimizers.SGD(0.05), compression=comp)
     opt.build(model.trainable_variables)  # state first: the step traces once
     rng = np.random.default_rng(1)
