@@ -69,7 +69,6 @@ from tf_dct import _private
 from tf_dct.compression import base
 from tf_dct.compression import dct_dp
 from tf_dct.compression import error_feedback
-from tf_dct.compression import sparse_wire
 from tf_dct.compression.dense import Dense
 
 STAT_FIELDS = ("steps", "entries_pushed", "bytes_pushed", "dense_bytes",

@@ -299,8 +299,8 @@ class Compressor(tf.Module):
     waits for the compressed phase.
     """
     owner = type(self).__name__
-    rows = [isinstance(g, tf.IndexedSlices) and not _private.in_xla_context()
-            for g in grads]
+    xla = _private.in_xla_context()
+    rows = [isinstance(g, tf.IndexedSlices) and not xla for g in grads]
     grads = error_feedback.densify_unless(grads, rows)
     checked, values, _ = error_feedback.checked_reads(
         owner, grads, variables,

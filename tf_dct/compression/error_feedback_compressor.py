@@ -125,7 +125,7 @@ class ErrorFeedbackCompressor(Compressor):
     return None
 
   def create_state(self, variable):
-    n = self.check_variable(variable, sparse_wire.MAX_SIZE - 1)
+    self.check_variable(variable, sparse_wire.MAX_SIZE - 1)
     if self._is_dense(variable):
       return {}
     return self.residual_state(variable, type(self).__name__.lower())
