@@ -87,8 +87,9 @@ DOC_END = "<!-- end of results -->"
 
 # Compressor specs: name -> (launcher --compression value, constructor kwargs).
 # "paper": the published algorithms (no per-variable floor on the entries
-# sent, no momentum or Adam correction). A new option is one more line here.
-PAPER = {"min_count": 0, "momentum": 0.0, "adam": False}
+# sent, no momentum or Adam correction, every variable compressed). A new
+# option is one more line here.
+PAPER = {"min_count": 0, "momentum": 0.0, "adam": False, "dense_gradients": "compress"}
 COMPRESSORS: dict[str, tuple[str, dict]] = {
     "dense": ("none", {}),
     "dct": ("dct", {}),

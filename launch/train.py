@@ -108,6 +108,10 @@ flags.DEFINE_enum("sparse_gradients", "auto", ("auto", "stock", "compress"),
                   "Embedding tables' IndexedSlices gradients: stock sends the touched rows "
                   "as TF does (exact, an all-gather); compress compresses the table; auto "
                   "picks per table whichever moves fewer bytes.")
+flags.DEFINE_enum("dense_gradients", "auto", ("auto", "compress"),
+                  "Dense gradients: auto all-reduces a variable as it is where that moves "
+                  "no more bytes than compressing it (biases, small layers); compress "
+                  "compresses every variable.")
 flags.DEFINE_float("mp_sparsity", None, "DCT-MP sparsity in [0, 1) at --mp_splits. Default 0.9.")
 flags.DEFINE_string("mp_splits", None,
                     "Comma list of the model's split points to insert a DCTSplit at, 'paper' "
@@ -138,7 +142,7 @@ SETTINGS = (*registry.COMMON_DEFAULTS, "learning_rate")
 PLAIN = ("model", "config", "data_dir", "replicator", "tpu", "compression", "warmup_steps",
          "sparsity_schedule",
          "min_size", "min_count", "momentum_correction", "adam_correction",
-         "compression_exclude", "sparse_gradients", "model_dir",
+         "compression_exclude", "sparse_gradients", "dense_gradients", "model_dir",
          "loop", "seed")
 
 
@@ -332,7 +336,8 @@ def make_compressor(cfg: dict):
   cls = getattr(tf_dct.compression, COMPRESSOR_CLASSES[comp])
   common = {"min_size": cfg["min_size"], "warmup_steps": cfg["warmup_steps"],
             "exclude": tuple(cfg.get("compression_exclude") or ()),
-            "sparse_gradients": cfg.get("sparse_gradients", "auto")}
+            "sparse_gradients": cfg.get("sparse_gradients", "auto"),
+            "dense_gradients": cfg.get("dense_gradients", "auto")}
   if comp in SPARSIFIERS:
     if cfg.get("min_count") is not None:
       common["min_count"] = cfg["min_count"]
@@ -809,6 +814,14 @@ class Job:
     return {"bytes": sum(s["total_forward_bytes"] + s["total_backward_bytes"] for s in stats),
             "dense_bytes": sum(s["total_dense_bytes"] for s in stats)}
 
+  def _sent_as_is(self, reason: str) -> list[str]:
+    """Names of the variables the compressor sends as they are for `reason`
+    (`Compressor.as_is_reason`)."""
+    if self.compressor is None:
+      return []
+    return [v.name.split(":")[0] for v in self.model.trainable_variables
+            if self.compressor.as_is_reason(v) == reason]
+
   def _summary(self) -> dict:
     cfg = self.cfg
     steps = int(self.step.numpy())
@@ -822,10 +835,8 @@ class Job:
         "compression": cfg["compression"], "mp_splits": list(cfg["splits"]),
         "adam_correction": bool(self.compressor is not None
                                 and self.compressor.corrects_adam),
-        "sent_as_rows": [v.name.split(":")[0] for v in self.model.trainable_variables
-                         if self.compressor is not None
-                         and self.compressor.sends_as_is(v)
-                         and not self.compressor.is_excluded(v)],
+        "sent_as_rows": self._sent_as_is("sparse_gradients"),
+        "sent_whole": self._sent_as_is("dense_gradients"),
         "start_step": self.start_step, "steps": steps, "losses": list(self.losses),
         "first_loss": self.losses[0] if self.losses else None,
         "final_loss": self.losses[-1] if self.losses else None,
@@ -878,6 +889,11 @@ def print_table(s: dict, cfg: dict) -> None:
   if s["compression"] != "none":
     rows.insert(3, ("embedding rows sent as stock TF", ", ".join(s.get("sent_as_rows", ()))
                     or f"none (--sparse_gradients={cfg.get('sparse_gradients', 'auto')})"))
+    whole = s.get("sent_whole", ())
+    rows.insert(4, ("small variables all-reduced whole",
+                    f"{len(whole)} ({', '.join(whole[:3])}{', ...' if len(whole) > 3 else ''})"
+                    if whole else
+                    f"none (--dense_gradients={cfg.get('dense_gradients', 'auto')})"))
   for name, value in s["eval"].items():
     rows.append((f"eval {name}", f"{value:.4f}"))
   c = s["communication"]

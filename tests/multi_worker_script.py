@@ -39,17 +39,21 @@ CONSERVATION_STEPS = 200  # steps of the conservation section
 
 def conservation_compressors(compression) -> dict:
   """Name -> factory of every compressor the conservation section runs."""
+  # The papers' counts (min_count 0 / 1) and every variable compressed: on
+  # this small model the default floor would send nearly everything and
+  # dense_gradients="auto" would all-reduce the variables whole.
+  every = {"dense_gradients": "compress"}
   return {
       "Dense": compression.Dense,
-      # The papers' counts (min_count 0 / 1): on this small model the
-      # default floor of 8 entries would send nearly everything.
       "DCTDP": lambda: compression.DCTDP(sparsity=0.8, threshold_life=7,
-                                         capacity_factor=1.5, min_count=0),
-      "DEFT": lambda: compression.DEFT(density=0.2, min_count=1),
-      "TopK": lambda: compression.TopK(density=0.25, min_size=4, min_count=0),
-      "CLTK": lambda: compression.CLTK(density=0.25),
-      "HardThreshold": lambda: compression.HardThreshold(1e-3,
-                                                         capacity_density=0.25),
+                                         capacity_factor=1.5, min_count=0,
+                                         **every),
+      "DEFT": lambda: compression.DEFT(density=0.2, min_count=1, **every),
+      "TopK": lambda: compression.TopK(density=0.25, min_size=4, min_count=0,
+                                       **every),
+      "CLTK": lambda: compression.CLTK(density=0.25, **every),
+      "HardThreshold": lambda: compression.HardThreshold(
+          1e-3, capacity_density=0.25, **every),
   }
 
 

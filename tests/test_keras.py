@@ -143,7 +143,8 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
   @parameterized.parameters("tf_keras", "keras3")
   def test_stats_and_state_lookup(self, flavour):
     k = FLAVOURS[flavour]
-    compressor = compression.DCTDP(sparsity=0.5, threshold_life=2)
+    compressor = compression.DCTDP(sparsity=0.5, threshold_life=2,
+                                   dense_gradients="compress")
     model, opt = self._custom_loop(k, tf_dct.Replicator(self.devices),
                                    wrap=True, compressor=compressor, steps=2)
     stats = opt.communication_stats()

@@ -16,6 +16,16 @@ from tests import conservation
 SHAPES = [(6, 5), (17,)]
 
 
+def compress_all(cls):
+  """`cls` with `dense_gradients="compress"` unless given: the tests of an
+  algorithm run it on variables of a few dozen entries, which the default
+  "auto" would all-reduce whole (that policy is tested in test_base)."""
+  def make(*args, **kwargs):
+    kwargs.setdefault("dense_gradients", "compress")
+    return cls(*args, **kwargs)
+  return make
+
+
 def gradients(steps: int, replicas: int, seed: int = 0, shapes=SHAPES):
   """grads[t][r][v]: variable 0 continuous, the others full of ties."""
   rng = np.random.default_rng(seed)

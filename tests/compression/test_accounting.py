@@ -8,16 +8,18 @@ import tensorflow as tf
 import tf_keras
 
 import tf_dct
-from tf_dct.compression import CLTK
-from tf_dct.compression import DCTDP
-from tf_dct.compression import DEFT
+from tf_dct import compression
 from tf_dct.compression import Dense
-from tf_dct.compression import TopK
 from tf_dct.compression import accounting
 from tf_dct.compression import sparse_wire
 from tests import util
 from tests.compression import harness
 from tests.ops import test_native
+
+CLTK = harness.compress_all(compression.CLTK)
+DCTDP = harness.compress_all(compression.DCTDP)
+DEFT = harness.compress_all(compression.DEFT)
+TopK = harness.compress_all(compression.TopK)
 
 
 def setUpModule():

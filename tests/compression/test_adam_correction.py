@@ -16,6 +16,10 @@ from tf_dct import compression
 from tests import util
 from tests.compression import harness
 
+DCTDP = harness.compress_all(compression.DCTDP)
+TopK = harness.compress_all(compression.TopK)
+DEFT = harness.compress_all(compression.DEFT)
+
 
 def setUpModule():
   util.setup_cpus()
@@ -113,8 +117,8 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
     options = dict(adam=True, adam_second_moment=mode, adam_select=select,
                    adam_first_moment=first_moment)
     make = {
-        "topk": lambda: compression.TopK(0.2, min_count=0, **options),
-        "dct_native": lambda: compression.DCTDP(
+        "topk": lambda: TopK(0.2, min_count=0, **options),
+        "dct_native": lambda: DCTDP(
             0.8, threshold_life=1, capacity_factor=1.0, density_band=None,
             min_count=0, **options),
     }[kind]
@@ -139,9 +143,9 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
           self.assertEqual(states[v]["adam_t"][r], t + 1)
 
   @parameterized.named_parameters(
-      ("dct_dp", lambda: compression.DCTDP(
+      ("dct_dp", lambda: DCTDP(
           0.9, threshold_life=3, adam=True, adam_first_moment="aggregate")),
-      ("deft", lambda: compression.DEFT(0.1, adam=True,
+      ("deft", lambda: DEFT(0.1, adam=True,
                                         adam_first_moment="aggregate")),
   )
   def test_error_feedback_conserves_the_scaled_gradient(self, make):
@@ -180,7 +184,7 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
     replicas, steps = 2, 7
     beta_1 = BETAS[0]
     grads = harness.continuous_gradients(steps, replicas, seed=6)
-    compressor = _with_adam(compression.DCTDP(
+    compressor = _with_adam(DCTDP(
         0.9, threshold_life=3, adam=True, adam_first_moment="replica"))
     _, _, _, history = harness.run(compressor, grads, replicas)
     for v, shape in enumerate(SHAPES):
@@ -208,7 +212,7 @@ class AccountingTest(tf.test.TestCase):
     grads = harness.continuous_gradients(2, 2, seed=3)
     payload = {}
     for adam in (False, True):
-      comp = compression.TopK(0.2, min_count=0, adam=adam)
+      comp = TopK(0.2, min_count=0, adam=adam)
       if adam:
         _with_adam(comp)
       harness.run(comp, grads, 2)
@@ -222,11 +226,11 @@ class AccountingTest(tf.test.TestCase):
 class NonFiniteTest(tf.test.TestCase):
 
   def test_a_non_finite_step_moves_no_state(self):
-    harness.check_non_finite(self, _with_adam(compression.TopK(0.2, adam=True)),
+    harness.check_non_finite(self, _with_adam(TopK(0.2, adam=True)),
                              "TopK: non-finite gradient for variable")
 
   def test_a_non_finite_step_under_xla_is_undone(self):
-    harness.check_non_finite_xla(self, lambda: _with_adam(compression.DCTDP(
+    harness.check_non_finite_xla(self, lambda: _with_adam(DCTDP(
         0.9, threshold_life=2, adam=True)))
 
 
@@ -278,7 +282,7 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
     # with the optimizer). The bias is excluded: it keeps the optimizer's
     # own update.
     make = getattr(k.optimizers, name)
-    comp = compression.TopK(1.0, exclude=("bias",), adam=True,
+    comp = TopK(1.0, exclude=("bias",), adam=True,
                             adam_second_moment="exact", adam_select="raw",
                             adam_first_moment=first_moment)
     model, _, ours = self._train(comp, lambda: make(0.01), k=k)
@@ -301,22 +305,22 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
                      (lambda: tf_keras.optimizers.Adam(1e-3, amsgrad=True), False),
                      (lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9), False),
                      (lambda: tf_keras.optimizers.Adagrad(0.1), False)):
-      comp = compression.DCTDP()
+      comp = DCTDP()
       model, _, _ = self._setup(comp, make())  # build creates the state
       self.assertEqual(on, all("adam_m" in comp.state_for(v)
                                for v in model.trainable_variables))
-    for comp in (compression.DEFT(), compression.TopK(0.1)):
+    for comp in (DEFT(), TopK(0.1)):
       # off by default (docs/quality.md)
       model, _, _ = self._setup(comp, tf_keras.optimizers.Adam())
       self.assertFalse(any(comp.corrects_optimizer(v)
                            for v in model.trainable_variables))
-    comp = compression.DCTDP(adam=False)
+    comp = DCTDP(adam=False)
     model, _, _ = self._setup(comp, tf_keras.optimizers.Adam())
     self.assertFalse(any(comp.corrects_optimizer(v)
                          for v in model.trainable_variables))
 
   def test_checkpoint_restore_leaves_the_trajectory_unchanged(self):
-    comp = compression.DCTDP(0.8, threshold_life=2)
+    comp = DCTDP(0.8, threshold_life=2)
     model, opt, train = self._setup(comp, tf_keras.optimizers.Adam(0.01))
     train(3)
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
@@ -351,8 +355,8 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
           cls(**kwargs)
     with self.assertRaisesRegex(ValueError, r"DCTDP: adam=True .* needs an "
                                 r"Adam or AdamW optimizer without amsgrad"):
-      self._setup(compression.DCTDP(adam=True), tf_keras.optimizers.SGD(0.1))
-    comp = compression.DCTDP()
+      self._setup(DCTDP(adam=True), tf_keras.optimizers.SGD(0.1))
+    comp = DCTDP()
     self._setup(comp, tf_keras.optimizers.SGD(0.1))
     with self.assertRaisesRegex(ValueError, "DCTDP: Adam correction must be "
                                 "set before the compressor has state"):

@@ -1,5 +1,5 @@
-"""tf_dct.compression.base: `exclude` and `sparse_gradients` (variables
-aggregated as they are)."""
+"""tf_dct.compression.base: `exclude`, `sparse_gradients` and
+`dense_gradients` (variables aggregated as they are)."""
 
 from absl.testing import parameterized
 import keras
@@ -236,6 +236,117 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
           ValueError, r"sparse_gradients must be one of \('auto', 'stock', "
           r"'compress'\), got"):
         SPARSE[name](sparse_gradients=bad)
+
+
+# Dense gradients of a bias (8 entries) and a kernel (8 x 4 = 32) on 2
+# replicas, DCTDP(sparsity=0.99, min_count=8): the bias's 8 wire slots cost
+# 44 bytes against its 32-byte all-reduce, the kernel's 16 slots 84 bytes
+# against 128 (ring model: one peer, an all-reduce moves 2 (n - 1) / n x).
+DENSE = {"bias": ([8], np.float32), "kernel": ([8, 4], np.float32)}
+
+
+def _dense_run(compressor, steps=2, variables=None, replicas=REPLICAS,
+               jit_compile=False):
+  """Feeds the `variables` (name -> (shape, dtype); default DENSE) dense
+  gradients; returns per step the per-replica aggregates and the exact sums,
+  and the variables."""
+  specs = variables or DENSE
+  rng = np.random.default_rng(2)
+  feeds = {name: rng.normal(size=[steps, replicas] + shape).astype(dtype)
+           for name, (shape, dtype) in specs.items()}
+  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
+                           input_replication=tf_dct.PER_REPLICA,
+                           jit_compile=jit_compile)
+  compressor.bind(repl)
+  with repl.scope():
+    made = {name: tf.Variable(tf.zeros(shape, dtype), name=name)
+            for name, (shape, dtype) in specs.items()}
+
+  def input_fn(replica_id):
+    return tf.data.Dataset.from_tensor_slices(
+        {name: feed[:, replica_id] for name, feed in feeds.items()})
+
+  def step_fn(batch):
+    return [g for g, _ in compressor.aggregate(
+        [(batch[name], made[name]) for name in specs])]
+
+  out = [util.local(repl, repl.run(step_fn, input_fn)) for _ in range(steps)]
+  exact = [[feeds[name][t].sum(0) for name in specs] for t in range(steps)]
+  return out, exact, made
+
+
+class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
+
+  def test_auto_all_reduces_a_variable_whose_exchange_costs_more(self):
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8, momentum=0.9)
+    out, exact, variables = _dense_run(compressor)
+    bias, kernel = variables["bias"], variables["kernel"]
+    self.assertTrue(compressor.sends_as_is(bias))
+    self.assertFalse(compressor.sends_as_is(kernel))
+    for t, sums in enumerate(exact):
+      for r in range(REPLICAS):
+        self.assertAllClose(out[t][r][0], sums[0], atol=1e-6, rtol=0)
+    self.assertNotAllClose(out[0][0][1], exact[0][1])
+    stats = compressor.communication_stats()["variables"]
+    self.assertEqual(stats["bias"]["last"]["bytes_sent"], [32] * REPLICAS)
+    self.assertEqual(stats["kernel"]["last"]["bytes_sent"], [84] * REPLICAS)
+    # The bias keeps the optimizer's momentum; the kernel is corrected.
+    self.assertFalse(compressor.corrects_optimizer(bias))
+    self.assertTrue(compressor.corrects_optimizer(kernel))
+
+  def test_compress_always_compresses(self):
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8,
+                                   dense_gradients="compress")
+    _, _, variables = _dense_run(compressor, steps=1)
+    self.assertFalse(compressor.sends_as_is(variables["bias"]))
+    stats = compressor.communication_stats()["variables"]
+    self.assertEqual(stats["bias"]["last"]["bytes_sent"], [44] * REPLICAS)
+
+  def test_adam_side_channel_is_priced(self):
+    # Adam correction adds the kernel's 8 + 4 column and row sums (48 bytes
+    # all-reduced): 84 + 48 > 128, so the kernel is all-reduced as it is.
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8)
+    compressor.set_adam(0.9, 0.999, 1e-7)
+    _, exact, variables = _dense_run(compressor, steps=1)
+    for v in variables.values():
+      self.assertTrue(compressor.sends_as_is(v), v.name)
+      self.assertFalse(compressor.corrects_optimizer(v), v.name)
+
+  def test_break_even_grows_with_replicas(self):
+    # The kernel's exchange: (n - 1) x 84 gathered against 2 (n - 1) / n x
+    # 128 all-reduced: compressed on 2 replicas (84 < 128), dense on 4
+    # (252 > 192).
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8)
+    kernel = tf.Variable(tf.zeros([8, 4]))
+    self.assertFalse(compressor.dense_is_cheaper(kernel, 2))
+    self.assertTrue(compressor.dense_is_cheaper(kernel, 4))
+
+  def test_variables_of_several_dtypes(self):
+    # Variables all-reduced whole are batched per dtype.
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8)
+    specs = {"a64": ([17], np.float64), "b32": ([3], np.float32),
+             "c64": ([4], np.float64)}
+    out, exact, made = _dense_run(compressor, steps=1, variables=specs)
+    for i, v in enumerate(made.values()):
+      self.assertTrue(compressor.sends_as_is(v), v.name)
+      for r in range(REPLICAS):
+        self.assertAllClose(out[0][r][i], exact[0][i], atol=1e-6, rtol=0)
+
+  def test_under_xla(self):
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8)
+    out, exact, made = _dense_run(compressor, replicas=1, jit_compile=True)
+    self.assertTrue(compressor.sends_as_is(made["bias"]))
+    self.assertFalse(compressor.sends_as_is(made["kernel"]))
+    for t in range(2):
+      self.assertAllClose(out[t][0][0], exact[t][0], atol=1e-6, rtol=0)
+
+  @parameterized.named_parameters(*[(name, name) for name in SPARSE])
+  def test_bad_dense_gradients(self, name):
+    for bad in ("Auto", "stock", None, True):
+      with self.assertRaisesRegex(
+          ValueError, r"dense_gradients must be one of \('auto', "
+          r"'compress'\), got"):
+        SPARSE[name](dense_gradients=bad)
 
 
 class SparseGradientsKerasTest(tf.test.TestCase, parameterized.TestCase):

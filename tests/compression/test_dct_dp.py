@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_dct
-from tf_dct.compression import DCTDP
+from tf_dct import compression
 from tf_dct.compression import dct_dp
 from tf_dct.compression import dct_dp_fast
 from tf_dct.compression import sparse_wire
@@ -18,6 +18,8 @@ from tests.compression import harness
 from tests.compression import reference
 from tests.ops import test_native
 from tf_dct.ops import native as native_ops
+
+DCTDP = harness.compress_all(compression.DCTDP)
 
 
 def setUpModule():

@@ -11,12 +11,14 @@ import pytest
 import tensorflow as tf
 
 import tf_dct
-from tf_dct.compression import DEFT
+from tf_dct import compression
 from tf_dct.compression import deft
 from tests import conservation
 from tests import util
 from tests.compression import harness
 from tests.compression import reference_deft as reference
+
+DEFT = harness.compress_all(compression.DEFT)
 
 
 def setUpModule():

@@ -10,6 +10,12 @@ from tf_dct.compression import error_feedback
 from tests import util
 from tests.compression import harness
 
+DCTDP = harness.compress_all(compression.DCTDP)
+TopK = harness.compress_all(compression.TopK)
+DEFT = harness.compress_all(compression.DEFT)
+CLTK = harness.compress_all(compression.CLTK)
+HardThreshold = harness.compress_all(compression.HardThreshold)
+
 
 def setUpModule():
   util.setup_cpus()
@@ -20,15 +26,15 @@ def setUpModule():
 # The compressors' own path for IndexedSlices ("compress"; "auto" would send
 # these small tables as TF does, see tests/compression/test_base.py).
 COMPRESSORS = {
-    "DCTDP": lambda: compression.DCTDP(sparsity=0.8, threshold_life=3,
+    "DCTDP": lambda: DCTDP(sparsity=0.8, threshold_life=3,
                                        capacity_factor=1.5, min_count=0,
                                        sparse_gradients="compress"),
-    "DEFT": lambda: compression.DEFT(density=0.2, min_count=0,
+    "DEFT": lambda: DEFT(density=0.2, min_count=0,
                                      sparse_gradients="compress"),
-    "TopK": lambda: compression.TopK(density=0.2, capacity_factor=1.5,
+    "TopK": lambda: TopK(density=0.2, capacity_factor=1.5,
                                      min_count=0, sparse_gradients="compress"),
-    "CLTK": lambda: compression.CLTK(density=0.2, sparse_gradients="compress"),
-    "HardThreshold": lambda: compression.HardThreshold(
+    "CLTK": lambda: CLTK(density=0.2, sparse_gradients="compress"),
+    "HardThreshold": lambda: HardThreshold(
         0.5, capacity_density=0.3, sparse_gradients="compress"),
 }
 
@@ -79,7 +85,7 @@ class IndexedSlicesTest(tf.test.TestCase, parameterized.TestCase):
          # Slices through the native kernel, the densified gradient through
          # stock ops.
          ("DCTDP_native_vs_stock", "DCTDP", 2, False,
-          lambda: compression.DCTDP(sparsity=0.8, threshold_life=3,
+          lambda: DCTDP(sparsity=0.8, threshold_life=3,
                                     capacity_factor=1.5, native=False,
                                     min_count=0, sparse_gradients="compress"))])
   def test_matches_densified_path(self, name, replicas, jit_compile,
@@ -258,12 +264,12 @@ class ReadCheckedTest(parameterized.TestCase, tf.test.TestCase):
 
   @parameterized.named_parameters(
       # Stock ops: the native kernel checks its own gradient (test_dct_dp).
-      ("DCTDP", lambda: compression.DCTDP(0.8, threshold_life=3, min_size=10,
+      ("DCTDP", lambda: DCTDP(0.8, threshold_life=3, min_size=10,
                                           native=False), 2),
-      ("DEFT", lambda: compression.DEFT(0.2, min_size=10), 2),
-      ("TopK", lambda: compression.TopK(0.2, min_size=10), 2),
-      ("CLTK", lambda: compression.CLTK(0.2, min_size=10), 2),
-      ("HardThreshold", lambda: compression.HardThreshold(0.5, min_size=10), 2))
+      ("DEFT", lambda: DEFT(0.2, min_size=10), 2),
+      ("TopK", lambda: TopK(0.2, min_size=10), 2),
+      ("CLTK", lambda: CLTK(0.2, min_size=10), 2),
+      ("HardThreshold", lambda: HardThreshold(0.5, min_size=10), 2))
   def test_in_a_step_only_reads_and_dense_sums_wait_for_the_checks(
       self, make, reads_per_replica):
     # A control edge from the checks on every op of the step cost grappler

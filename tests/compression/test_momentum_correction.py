@@ -16,6 +16,10 @@ from tf_dct import compression
 from tests import util
 from tests.compression import harness
 
+DCTDP = harness.compress_all(compression.DCTDP)
+TopK = harness.compress_all(compression.TopK)
+DEFT = harness.compress_all(compression.DEFT)
+
 
 def setUpModule():
   util.setup_cpus()
@@ -72,12 +76,12 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
     # density 0.2 of 30 / 17 entries: k = 6 / 4 (no floor), the same top-k
     # for TopK and for DCT-DP refreshing tau every step (L = 1).
     make = {
-        "topk": lambda: compression.TopK(0.2, min_count=0, momentum=MOMENTUM,
+        "topk": lambda: TopK(0.2, min_count=0, momentum=MOMENTUM,
                                          momentum_masking=masking),
-        "dct_native": lambda: compression.DCTDP(
+        "dct_native": lambda: DCTDP(
             0.8, threshold_life=1, capacity_factor=1.0, density_band=None,
             min_count=0, momentum=MOMENTUM, momentum_masking=masking),
-        "dct_stock": lambda: compression.DCTDP(
+        "dct_stock": lambda: DCTDP(
             0.8, threshold_life=1, capacity_factor=1.0, density_band=None,
             min_count=0, native=False, momentum=MOMENTUM,
             momentum_masking=masking),
@@ -99,14 +103,14 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
                               atol=1e-5, rtol=1e-5)
 
   @parameterized.named_parameters(
-      ("dct_dp", lambda: compression.DCTDP(0.9, threshold_life=3,
+      ("dct_dp", lambda: DCTDP(0.9, threshold_life=3,
                                            momentum=MOMENTUM,
                                            momentum_masking=True)),
-      ("topk", lambda: compression.TopK(0.1, momentum=MOMENTUM,
+      ("topk", lambda: TopK(0.1, momentum=MOMENTUM,
                                         momentum_masking=True)),
-      ("deft", lambda: compression.DEFT(0.1, momentum=MOMENTUM,
+      ("deft", lambda: DEFT(0.1, momentum=MOMENTUM,
                                         momentum_masking=True)),
-      ("dct_dp_no_masking", lambda: compression.DCTDP(
+      ("dct_dp_no_masking", lambda: DCTDP(
           0.9, threshold_life=3, momentum=MOMENTUM), False),
   )
   def test_conserves_the_velocities_fed_in(self, make, masking=True):
@@ -174,7 +178,7 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
     # density 1 sends everything: momentum correction without masking is
     # then exactly momentum SGD. The bias is excluded: it keeps the
     # optimizer's own momentum.
-    comp = compression.TopK(1.0, exclude=("bias",))
+    comp = TopK(1.0, exclude=("bias",))
     _, model, opt, ours = self._train(
         comp, lambda: k.optimizers.SGD(0.1, momentum=MOMENTUM), k=k)
     self.assertEqual(comp.momentum, MOMENTUM)
@@ -195,20 +199,20 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
     self.assertGreater(np.abs(ours[-1][0] - ours[0][0]).max(), 1e-3)
 
   def test_other_optimizers_leave_it_off(self):
-    comp = compression.DCTDP()
+    comp = DCTDP()
     self._train(comp, tf_keras.optimizers.Adam(1e-3), steps=1)
     self.assertEqual(comp.momentum, 0.0)
-    comp = compression.DCTDP()
+    comp = DCTDP()
     self._train(comp, tf_keras.optimizers.SGD(0.1), steps=1)
     self.assertEqual(comp.momentum, 0.0)
-    comp = compression.DCTDP(momentum=0)  # explicitly off with momentum SGD
+    comp = DCTDP(momentum=0)  # explicitly off with momentum SGD
     _, model, _, _ = self._train(comp, tf_keras.optimizers.SGD(0.1, momentum=0.9),
                                  steps=1)
     self.assertFalse(any(comp.corrects_momentum(v)
                          for v in model.trainable_variables))
 
   def test_checkpoint_restores_the_velocity(self):
-    comp = compression.DCTDP(0.8, threshold_life=2)
+    comp = DCTDP(0.8, threshold_life=2)
     repl, model, opt, _ = self._train(
         comp, tf_keras.optimizers.SGD(0.1, momentum=MOMENTUM), steps=3)
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
@@ -237,10 +241,10 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
           cls(**kwargs)
     with self.assertRaisesRegex(ValueError, r"DCTDP: momentum=0.9 .* needs an "
                                 r"SGD optimizer"):
-      self._train(compression.DCTDP(momentum=0.9), tf_keras.optimizers.Adam(),
+      self._train(DCTDP(momentum=0.9), tf_keras.optimizers.Adam(),
                   steps=1)
     with self.assertRaisesRegex(ValueError, r"SGD optimizer has momentum=0.5"):
-      self._train(compression.DCTDP(momentum=0.9),
+      self._train(DCTDP(momentum=0.9),
                   tf_keras.optimizers.SGD(0.1, momentum=0.5), steps=1)
 
 

@@ -20,6 +20,10 @@ from tests import util
 from tests.compression import harness
 from tests.compression import reference
 
+DCTDP = harness.compress_all(compression.DCTDP)
+TopK = harness.compress_all(compression.TopK)
+DEFT = harness.compress_all(compression.DEFT)
+
 
 def setUpModule():
   util.setup_cpus()
@@ -27,11 +31,11 @@ def setUpModule():
 
 WARMUP = 2
 COMPRESSORS = (
-    ("dct_dp", lambda: compression.DCTDP(0.8, threshold_life=2, min_count=0,
+    ("dct_dp", lambda: DCTDP(0.8, threshold_life=2, min_count=0,
                                          warmup_steps=WARMUP)),
-    ("dct_dp_stock", lambda: compression.DCTDP(
+    ("dct_dp_stock", lambda: DCTDP(
         0.8, threshold_life=2, min_count=0, warmup_steps=WARMUP, native=False)),
-    ("topk", lambda: compression.TopK(0.2, min_count=0, warmup_steps=WARMUP)),
+    ("topk", lambda: TopK(0.2, min_count=0, warmup_steps=WARMUP)),
 )
 
 
@@ -78,7 +82,7 @@ def _collectives(compressor, phase):
 class PhasesTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_phase_of_a_step(self):
-    comp = compression.DCTDP(warmup_steps=3)
+    comp = DCTDP(warmup_steps=3)
     self.assertEqual(comp.phase_starts(), (0, 3))
     self.assertEqual([comp.phase_for(s) for s in (0, 2, 3, 100)], [0, 0, 1, 1])
     self.assertTrue(comp.phase_is_dense(0))
@@ -86,7 +90,7 @@ class PhasesTest(tf.test.TestCase, parameterized.TestCase):
     with comp.in_phase(5) as key:
       self.assertEqual((key, comp.phase), (1, 1))
     self.assertIsNone(comp.phase)
-    single = compression.TopK(0.1)
+    single = TopK(0.1)
     self.assertEqual(single.phase_starts(), (0,))
     with single.in_phase(0) as key:
       self.assertIsNone(key)
@@ -107,7 +111,7 @@ class PhasesTest(tf.test.TestCase, parameterized.TestCase):
   def test_mixing_driven_and_undriven_steps_is_refused(self, driven_first):
     # A driven run counts steps per phase, an undriven one decides the
     # phase from its own counter: mixing them would repeat the warm-up.
-    comp = compression.DCTDP(0.8, warmup_steps=WARMUP)
+    comp = DCTDP(0.8, warmup_steps=WARMUP)
     repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"])
     comp.bind(repl)
     with repl.scope():
@@ -130,14 +134,14 @@ class PhasesTest(tf.test.TestCase, parameterized.TestCase):
       trace(not driven_first)
     self.assertEqual(list(comp.state_values(v)["step"]), [0, 0])
     # Without phases there is nothing to mix.
-    plain = compression.DCTDP(0.8)
+    plain = DCTDP(0.8)
     plain.bind(repl)
     plain._check_driven()  # pylint: disable=protected-access
     plain.phase = 0
     plain._check_driven()  # pylint: disable=protected-access
 
   def test_deft_phases(self):
-    make = lambda: compression.DEFT(0.2, warmup_steps=WARMUP)
+    make = lambda: DEFT(0.2, warmup_steps=WARMUP)
     # DEFT's exchange is three all-reduces (norms, union, values); the int32
     # union is summed without a collective op between local devices.
     self.assertEqual(_collectives(make(), None), (6, 0, 8))
@@ -174,7 +178,7 @@ class PhasesTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.named_parameters(
       *COMPRESSORS,
-      ("deft", lambda: compression.DEFT(0.2, warmup_steps=WARMUP)))
+      ("deft", lambda: DEFT(0.2, warmup_steps=WARMUP)))
   def test_error_feedback_conserves_across_the_switch(self, make):
     # sum of the aggregates + sum_r E_r == sum of every gradient fed in.
     grads = harness.continuous_gradients(6, 2, seed=8)
@@ -192,7 +196,7 @@ class PhasesTest(tf.test.TestCase, parameterized.TestCase):
 class SparsityScheduleTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_phases_of_a_schedule(self):
-    comp = compression.DCTDP(0.99, warmup_steps=3,
+    comp = DCTDP(0.99, warmup_steps=3,
                              sparsity_schedule=[(4, 0.75), (5, 0.9375)])
     self.assertEqual(comp.phase_starts(), (0, 3, 7, 12))
     self.assertEqual([comp.phase_is_dense(p) for p in range(4)],
@@ -202,7 +206,7 @@ class SparsityScheduleTest(tf.test.TestCase, parameterized.TestCase):
       with comp.in_phase(step):
         sparsities.append(comp._phase_sparsity())  # pylint: disable=protected-access
     self.assertEqual(sparsities, [0.99, 0.75, 0.75, 0.9375, 0.99, 0.99])
-    without_warmup = compression.DCTDP(0.99, sparsity_schedule=[(4, 0.75)])
+    without_warmup = DCTDP(0.99, sparsity_schedule=[(4, 0.75)])
     self.assertEqual(without_warmup.phase_starts(), (0, 4))
     self.assertFalse(without_warmup.phase_is_dense(0))
 
@@ -213,7 +217,7 @@ class SparsityScheduleTest(tf.test.TestCase, parameterized.TestCase):
     settings = dict(sparsity=0.9, threshold_life=100, capacity_factor=1.5,
                     warmup_steps=1, sparsity_schedule=((2, 0.5), (2, 0.7)))
     grads = harness.gradients(7, 2, seed=3)
-    comp = compression.DCTDP(density_band=None, min_count=0, native=native,
+    comp = DCTDP(density_band=None, min_count=0, native=native,
                              **settings)
     _, _, _, history = harness.run(comp, grads, 2, phases=True)
     for v in range(len(harness.SHAPES)):
@@ -237,7 +241,7 @@ class SparsityScheduleTest(tf.test.TestCase, parameterized.TestCase):
                                r"number in \(0, 1\), got 1.0"),
         ([(3,)], r"sparsity_schedule must be a sequence of pairs")):
       with self.assertRaisesRegex(ValueError, "DCTDP: " + pattern):
-        compression.DCTDP(sparsity_schedule=schedule)
+        DCTDP(sparsity_schedule=schedule)
 
 
 class KerasPhasesTest(tf.test.TestCase, parameterized.TestCase):
@@ -249,7 +253,7 @@ class KerasPhasesTest(tf.test.TestCase, parameterized.TestCase):
       k.utils.set_random_seed(0)
       model = k.Sequential([k.Input((4,)), k.layers.Dense(64, activation="tanh"),
                             k.layers.Dense(1)])
-      comp = compression.DCTDP(threshold_life=2, warmup_steps=WARMUP,
+      comp = DCTDP(threshold_life=2, warmup_steps=WARMUP,
                                min_count=8)  # 64 would send these layers whole
       opt = repl.wrap_optimizer(k.optimizers.SGD(0.05), compression=comp)
     opt.build(model.trainable_variables)  # state first: the step traces once

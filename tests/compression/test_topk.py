@@ -8,12 +8,14 @@ from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
 
-from tf_dct.compression import TopK
+from tf_dct import compression
 from tf_dct.compression import topk
 from tests import util
 from tests.compression import harness
 from tests.compression import reference
 from tests.compression import reference_baselines as ref_lib
+
+TopK = harness.compress_all(compression.TopK)
 
 
 def setUpModule():

@@ -271,6 +271,13 @@ class CompressionExcludeTest(tf.test.TestCase):
                                                 sparse_gradients=choice))
         self.assertEqual(compressor.sparse_gradients, choice, comp)
 
+  def test_dense_gradients_reaches_the_compressor(self):
+    self.assertEqual(train.make_compressor(_cfg(model="dlrm")).dense_gradients, "auto")
+    for comp in ("dct", "deft", "topk", "cltk", "threshold"):
+      compressor = train.make_compressor(_cfg(model="dlrm", compression=comp,
+                                              dense_gradients="compress"))
+      self.assertEqual(compressor.dense_gradients, "compress", comp)
+
 
 class FlagErrorsTest(tf.test.TestCase):
 

@@ -83,6 +83,8 @@ def _check_exclude(owner: str, exclude) -> tuple[str, ...]:
 # How `tf.IndexedSlices` gradients (embedding lookups) are sent: see
 # `Compressor`'s `sparse_gradients`.
 SPARSE_GRADIENTS = ("auto", "stock", "compress")
+# How dense gradients are sent: see `Compressor`'s `dense_gradients`.
+DENSE_GRADIENTS = ("auto", "compress")
 
 
 def as_tf_variable(variable):
@@ -92,6 +94,32 @@ def as_tf_variable(variable):
     return variable
   value = getattr(variable, "value", None)
   return value if hasattr(value, "ref") else variable
+
+
+def sum_per_dtype(ctx: tf.distribute.ReplicaContext, values: Sequence) -> list:
+  """SUM all-reduces of `values` (tensors or `tf.IndexedSlices`), one batch
+  per dtype (TF packs a batch into one buffer, which needs one dtype), in
+  the order given. Each dense tensor passes through `tf.identity` so it has
+  this replica's device (a step's input under XLA has none, and TF's batch
+  all-reduce takes a tensor's device as its destination)."""
+  values = [v if isinstance(v, tf.IndexedSlices) else tf.identity(v)
+            for v in values]
+  out = [None] * len(values)
+  dtypes = list(dict.fromkeys(v.dtype for v in values))
+  for dtype in dtypes:
+    picked = [i for i, v in enumerate(values) if v.dtype == dtype]
+    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                            [values[i] for i in picked])
+    for i, t in zip(picked, summed):
+      out[i] = t
+  return out
+
+
+def _replicas_priced() -> int:
+  """The replica count `sparse_gradients`/`dense_gradients` "auto" price
+  with: the replicas in sync, at least 2 (with one nothing moves)."""
+  ctx = tf.distribute.get_replica_context()
+  return max(ctx.num_replicas_in_sync if ctx is not None else 1, 2)
 
 
 class Compressor(tf.Module):
@@ -112,10 +140,17 @@ class Compressor(tf.Module):
       compresses (TF's sparse all-gather has no XLA kernel). The state
       `create_states` made for a variable sent as it is stays unused (zeros;
       name the variable in `exclude` to have none).
+    dense_gradients: how a variable whose gradient is a dense tensor is sent.
+      "auto" (default): all-reduced as it is where that moves no more bytes
+      per replica than the compressor's exchange would (`dense_is_cheaper`):
+      a bias or a small layer, whose wire slots and indices outweigh its
+      entries. The break-even size grows with the number of replicas (an
+      all-gather's bytes do, an all-reduce's do not). Decided and kept as
+      for `sparse_gradients`. "compress": always by the compressor.
   """
 
   def __init__(self, name: str | None = None, exclude: Sequence[str] = (),
-               sparse_gradients: str = "auto"):
+               sparse_gradients: str = "auto", dense_gradients: str = "auto"):
     super().__init__(name=name)
     self.exclude = _check_exclude(type(self).__name__, exclude)
     self._exclude = [re.compile(p) for p in self.exclude]
@@ -123,6 +158,10 @@ class Compressor(tf.Module):
       raise ValueError(f"{type(self).__name__}: sparse_gradients must be one of "
                        f"{SPARSE_GRADIENTS}, got {sparse_gradients!r}")
     self.sparse_gradients = sparse_gradients
+    if dense_gradients not in DENSE_GRADIENTS:
+      raise ValueError(f"{type(self).__name__}: dense_gradients must be one of "
+                       f"{DENSE_GRADIENTS}, got {dense_gradients!r}")
+    self.dense_gradients = dense_gradients
     self._as_is = {}         # variable ref -> sent as it is (`sends_as_is`)
     self._replicator = None
     self._lock = threading.Lock()
@@ -318,8 +357,7 @@ class Compressor(tf.Module):
                   checked[i], values[i]["residual"], variables[i]),
                          variables[i].shape) if values[i] else checked[i]
               for i in dense]
-      for i, out in zip(dense, ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                              accs)):
+      for i, out in zip(dense, sum_per_dtype(ctx, accs)):
         results[i] = out
         self.record_dense(variables[i])
     with tf.control_dependencies(error_feedback.gate(results)):
@@ -391,7 +429,7 @@ class Compressor(tf.Module):
     is recorded: the stock baseline of `accounting`. A dense gradient is N
     entries all-reduced.
     """
-    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
+    reduced = sum_per_dtype(ctx, grads)
     for grad, var, out in zip(grads, variables, reduced):
       n = var.shape.num_elements()
       if isinstance(grad, tf.IndexedSlices) and isinstance(out, tf.IndexedSlices):
@@ -421,7 +459,7 @@ class Compressor(tf.Module):
     sum into `results[position]` (None there: the sum itself)."""
     if not dense:
       return
-    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [t for _, t in dense])
+    reduced = sum_per_dtype(ctx, [t for _, t in dense])
     for (i, _), t in zip(dense, reduced):
       results[i] = t if results[i] is None else results[i] + t
 
@@ -619,22 +657,32 @@ class Compressor(tf.Module):
           self._keys[ref] = key  # only once its state exists
       return [self.state[self._keys[v.ref()]] for v in variables]
 
-  def _decide(self, pairs) -> list[bool]:
+  def _decide(self, pairs, states) -> list[bool]:
     """Per (gradient, variable) pair: whether it is sent as it is
-    (`sends_as_is`), chosen at a variable's first gradient and kept."""
+    (`sends_as_is`), chosen at a variable's first gradient and kept.
+    `states`: the pairs' states (`_states_for`)."""
     with self._lock:
-      for g, v in pairs:
+      for (g, v), st in zip(pairs, states):
         if v.ref() not in self._as_is:
-          self._as_is[v.ref()] = (self.is_excluded(v)
-                                  or self._sparse_as_is(g, v))
-    return [self._as_is[v.ref()] for _, v in pairs]
+          self._as_is[v.ref()] = (
+              "exclude" if self.is_excluded(v)
+              else "sparse_gradients" if self._sparse_as_is(g, v)
+              else "dense_gradients" if self._dense_as_is(g, v, st) else None)
+    return [self._as_is[v.ref()] is not None for _, v in pairs]
 
   def sends_as_is(self, variable) -> bool:
     """Whether `variable` is all-reduced (or all-gathered) as it is, with no
-    state: excluded by name, or its sparse gradient sent as stock TF sends
-    it (`sparse_gradients`, decided at its first gradient)."""
+    state: excluded by name, or its gradient sent as stock TF sends it
+    (`sparse_gradients`, `dense_gradients`, decided at its first gradient)."""
+    return self.as_is_reason(variable) is not None
+
+  def as_is_reason(self, variable) -> str | None:
+    """Why `variable` is sent as it is: "exclude", "sparse_gradients" (an
+    embedding's rows) or "dense_gradients" (its all-reduce is cheaper);
+    None when it is compressed or has not had a gradient yet."""
     variable = as_tf_variable(variable)
-    return self._as_is.get(variable.ref(), self.is_excluded(variable))
+    return self._as_is.get(variable.ref(),
+                           "exclude" if self.is_excluded(variable) else None)
 
   def _sparse_as_is(self, grad, variable) -> bool:
     """The `sparse_gradients` choice for `variable`, from its first gradient."""
@@ -653,9 +701,42 @@ class Compressor(tf.Module):
           "(batch(..., drop_remainder=True)) or pass sparse_gradients='stock'",
           type(self).__name__, variable.name)
       return False
-    ctx = tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync if ctx is not None else 1
-    return self.stock_is_cheaper(grad, variable, max(replicas, 2))
+    return self.stock_is_cheaper(grad, variable, _replicas_priced())
+
+  def _dense_as_is(self, grad, variable, state) -> bool:
+    """The `dense_gradients` choice for `variable`, from its first gradient.
+    A variable the compressor already sends dense (no `state`) stays with it."""
+    if (isinstance(grad, tf.IndexedSlices) or self.dense_gradients == "compress"
+        or not state):
+      return False
+    return self.dense_is_cheaper(variable, _replicas_priced())
+
+  def dense_is_cheaper(self, variable, num_replicas: int) -> bool:
+    """Whether all-reducing `variable`'s dense gradient moves no more bytes
+    per replica than this compressor's exchange would (`compressed_bytes`,
+    plus Adam correction's side channel when it is on; ring model of
+    `accounting`). False when the compressor's bytes are not known
+    statically."""
+    cost = self._exchange_cost(variable, num_replicas)
+    if cost is None:
+      return False
+    if self._adam_hparams:
+      cost += accounting.all_reduce_bytes(adam_correction.side_channel_size(
+          variable, self.adam_second_moment) * variable.dtype.size,
+                                          num_replicas)
+    dense = accounting.all_reduce_bytes(
+        variable.shape.num_elements() * variable.dtype.size, num_replicas)
+    return dense <= cost
+
+  def _exchange_cost(self, variable, num_replicas: int) -> float | None:
+    """Bytes one replica moves for `variable` on a compressed step (ring
+    model); None when `compressed_bytes` does not know them."""
+    mine = self.compressed_bytes(variable)
+    if mine is None:
+      return None
+    gather, reduce = mine
+    return (accounting.all_gather_bytes(gather, num_replicas)
+            + accounting.all_reduce_bytes(reduce, num_replicas))
 
   def stock_is_cheaper(self, grad: tf.IndexedSlices, variable,
                        num_replicas: int) -> bool:
@@ -665,22 +746,20 @@ class Compressor(tf.Module):
     least 2 replicas, as with one nothing moves). False when either is
     unknown statically (the row count, or the compressor's bytes)."""
     rows = grad.indices.shape.num_elements()
-    mine = self.compressed_bytes(variable)
-    if rows is None or mine is None:
+    compressed = self._exchange_cost(variable, num_replicas)
+    if rows is None or compressed is None:
       return False
     width = variable.shape[1:].num_elements()
     stock = accounting.all_gather_bytes(accounting.indexed_slices_payload(
         rows, width * grad.values.dtype.size, grad.indices.dtype.size),
         num_replicas)
-    gather, reduce = mine
-    compressed = (accounting.all_gather_bytes(gather, num_replicas)
-                  + accounting.all_reduce_bytes(reduce, num_replicas))
     return stock <= compressed
 
   def compressed_bytes(self, variable) -> tuple[int, int] | None:
     """(P, M): bytes one replica gathers and all-reduces for `variable` on a
     compressed step (`record`'s byte model); None when not known statically,
-    and then `sparse_gradients="auto"` compresses the variable."""
+    and then `sparse_gradients` and `dense_gradients` "auto" compress the
+    variable."""
     del variable
     return None
 
@@ -846,7 +925,7 @@ class Compressor(tf.Module):
     if not pairs:
       return grads_and_vars
     states = self._states_for([v for _, v in pairs])  # keys in this order
-    excluded = self._decide(pairs)
+    excluded = self._decide(pairs, states)
     kept = [(g, v, st) for (g, v), st, ex in zip(pairs, states, excluded) if not ex]
     passed = [p for p, ex in zip(pairs, excluded) if ex]
     self._recording.records = {}

@@ -43,15 +43,18 @@ class CLTK(error_feedback_compressor.ErrorFeedbackCompressor):
 
   Args:
     density: fraction of each variable's entries selected, in (0, 1].
-    min_size, warmup_steps, name, exclude, sparse_gradients: as in
+    min_size, warmup_steps, name, exclude, sparse_gradients,
+      dense_gradients: as in
       `ErrorFeedbackCompressor`.
   """
 
   def __init__(self, density: float = 0.01, min_size: int = 0,
                warmup_steps: int = 0, name: str | None = None,
-               exclude: Sequence[str] = (), sparse_gradients: str = "auto"):
+               exclude: Sequence[str] = (), sparse_gradients: str = "auto",
+               dense_gradients: str = "auto"):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
-                     exclude=exclude, sparse_gradients=sparse_gradients)
+                     exclude=exclude, sparse_gradients=sparse_gradients,
+                     dense_gradients=dense_gradients)
     self.density = float(self._check("density", density, numbers.Real, 0, True,
                                      1, False))
 

@@ -247,6 +247,9 @@ class DCTDP(Compressor):
     sparse_gradients: "auto" (default), "stock" or "compress": how
       `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
       them as TF does where that moves fewer bytes (`Compressor`).
+    dense_gradients: "auto" (default) or "compress": "auto" all-reduces a
+      dense gradient as it is where that moves no more bytes than
+      compressing it (a bias, a small layer; `Compressor`).
     native: use the native CPU kernels (`tf_dct.ops.native`, built on first
       use; results bit-identical to stock ops) for lines 2-11 of every
       variable and the long wire buffers (line 12). None
@@ -305,9 +308,11 @@ class DCTDP(Compressor):
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
                sparsity_schedule: Sequence[tuple[int, float]] = (),
-               sparse_gradients: str = "auto"):
+               sparse_gradients: str = "auto",
+               dense_gradients: str = "auto"):
     super().__init__(name=name, exclude=exclude,
-                     sparse_gradients=sparse_gradients)
+                     sparse_gradients=sparse_gradients,
+                     dense_gradients=dense_gradients)
     self.sparsity = float(_check("sparsity", sparsity, numbers.Real, 0, True,
                                  1, True))
     self.threshold_life = int(_check("threshold_life", threshold_life,

@@ -322,6 +322,9 @@ class DEFT(Compressor):
     sparse_gradients: "auto" (default), "stock" or "compress": how
       `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
       them as TF does where that moves fewer bytes (`Compressor`).
+    dense_gradients: "auto" (default) or "compress": "auto" all-reduces a
+      dense gradient as it is where that moves no more bytes than
+      compressing it (a bias, a small layer; `Compressor`).
     momentum, momentum_masking: momentum correction, as in `DCTDP`.
     adam, adam_second_moment, adam_select, adam_first_moment: Adam
       correction, as in `DCTDP`, but off by default: with DEFT's norm-based
@@ -337,9 +340,11 @@ class DEFT(Compressor):
                adam: bool | None = False, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
-               sparse_gradients: str = "auto"):
+               sparse_gradients: str = "auto",
+               dense_gradients: str = "auto"):
     super().__init__(name=name, exclude=exclude,
-                     sparse_gradients=sparse_gradients)
+                     sparse_gradients=sparse_gradients,
+                     dense_gradients=dense_gradients)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     self._init_momentum(momentum, momentum_masking)

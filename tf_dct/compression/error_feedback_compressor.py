@@ -72,6 +72,9 @@ class ErrorFeedbackCompressor(Compressor):
     sparse_gradients: "auto" (default), "stock" or "compress": how
       `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
       them as TF does where that moves fewer bytes (`Compressor`).
+    dense_gradients: "auto" (default) or "compress": "auto" all-reduces a
+      dense gradient as it is where that moves no more bytes than
+      compressing it (a bias, a small layer; `Compressor`).
     momentum, momentum_masking: momentum correction, as in `DCTDP` (here
       off by default: the baselines CLTK and HardThreshold keep their
       published form; TopK defaults to None, as DCTDP).
@@ -91,9 +94,11 @@ class ErrorFeedbackCompressor(Compressor):
                adam: bool | None = False, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
-               sparse_gradients: str = "auto"):
+               sparse_gradients: str = "auto",
+               dense_gradients: str = "auto"):
     super().__init__(name=name, exclude=exclude,
-                     sparse_gradients=sparse_gradients)
+                     sparse_gradients=sparse_gradients,
+                     dense_gradients=dense_gradients)
     self._init_momentum(momentum, momentum_masking)
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)

@@ -39,16 +39,19 @@ class HardThreshold(error_feedback_compressor.ErrorFeedbackCompressor):
     threshold: lambda, a finite number >= 0 (DEFT §3.2: fixed for the run).
     capacity_density: wire slots per variable as a fraction of its entries,
       in (0, 1].
-    min_size, warmup_steps, name, exclude, sparse_gradients: as in
+    min_size, warmup_steps, name, exclude, sparse_gradients,
+      dense_gradients: as in
       `ErrorFeedbackCompressor`.
   """
 
   def __init__(self, threshold: float, capacity_density: float = 0.05,
                min_size: int = 0, warmup_steps: int = 0,
                name: str | None = None, exclude: Sequence[str] = (),
-               sparse_gradients: str = "auto"):
+               sparse_gradients: str = "auto",
+               dense_gradients: str = "auto"):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
-                     exclude=exclude, sparse_gradients=sparse_gradients)
+                     exclude=exclude, sparse_gradients=sparse_gradients,
+                     dense_gradients=dense_gradients)
     self.threshold = float(self._check("threshold", threshold, numbers.Real, 0,
                                        False))
     self.capacity_density = float(self._check(

@@ -91,14 +91,16 @@ class TopK(ErrorFeedbackCompressor):
                adam_second_moment: str = "factored",
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
-               sparse_gradients: str = "auto"):
+               sparse_gradients: str = "auto",
+               dense_gradients: str = "auto"):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
                      exclude=exclude, momentum=momentum,
                      momentum_masking=momentum_masking, adam=adam,
                      adam_second_moment=adam_second_moment,
                      adam_select=adam_select,
                      adam_first_moment=adam_first_moment,
-                     sparse_gradients=sparse_gradients)
+                     sparse_gradients=sparse_gradients,
+                     dense_gradients=dense_gradients)
     self.density = float(self._check("density", density, numbers.Real, 0, True,
                                      1, False))
     self.min_count = int(self._check("min_count", min_count, numbers.Integral,
