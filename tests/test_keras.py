@@ -264,5 +264,77 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
                                                        compression=shared)
 
 
+  @parameterized.parameters("tf_keras", "keras3")
+  def test_compression_must_be_an_instance_of_its_own(self, flavour):
+    k = FLAVOURS[flavour]
+    repl = tf_dct.Replicator(self.devices)
+    with repl.scope():
+      opt = k.optimizers.SGD(0.1, momentum=0.9)
+      with self.assertRaisesRegex(TypeError, r"compression must be a Compressor "
+                                  r"instance, e.g. DCTDP\(\), got the class DCTDP"):
+        repl.wrap_optimizer(opt, compression=compression.DCTDP)
+      self.assertFalse(tf_dct.keras.is_wrapped(opt))
+      shared = compression.DCTDP()
+      repl.wrap_optimizer(k.optimizers.SGD(0.1), compression=shared)
+      self.assertEqual(shared.momentum, 0.0)
+      with self.assertRaisesRegex(
+          ValueError, r"compression: this DCTDP already aggregates for another "
+          r"optimizer; create one compressor per wrapped optimizer \(e.g. "
+          r"DCTDP\(\) for each\)"):
+        repl.wrap_optimizer(opt, compression=shared)
+      # Nothing changed: the second optimizer is not wrapped and its momentum
+      # did not reach the compressor.
+      self.assertFalse(tf_dct.keras.is_wrapped(opt))
+      self.assertEqual(shared.momentum, 0.0)
+
+  @parameterized.parameters("tf_keras", "keras3")
+  def test_rejected_step_moves_nothing(self, flavour):
+    # A NaN gradient is rejected by the compressor: the step raises, and no
+    # weight, no Adam slot, no compressor state and not `iterations` moves
+    # (Adam's bias correction counts optimizer steps).
+    k = FLAVOURS[flavour]
+    repl = tf_dct.Replicator(self.devices[:2])
+    with repl.scope():
+      model = _model(k)
+      opt = repl.wrap_optimizer(k.optimizers.Adam(0.1), compression=(
+          compression.DCTDP(0.5, min_count=0)))
+      opt.build(model.trainable_variables)
+    poison = tf.Variable(0.0)
+    x, _ = _data(8)
+
+    def input_fn(ctx):
+      del ctx
+      return tf.data.Dataset.from_tensor_slices(x).repeat().batch(4)
+
+    def step_fn(batch):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(batch)) * (1.0 + poison)
+      grads = tape.gradient(loss, model.trainable_variables)
+      opt.apply_gradients(zip(grads, model.trainable_variables))
+      return loss
+
+    def snapshot():
+      return ([v.numpy() for v in model.weights],
+              [np.asarray(v.numpy()) for v in opt.variables],
+              [np.asarray(a) for v in model.trainable_variables
+               for a in opt._tf_dct_compressor.state_values(v).values()])  # pylint: disable=protected-access
+
+    repl.run(step_fn, input_fn)  # a good step
+    self.assertEqual(int(opt.iterations.numpy()), 1)
+    before = snapshot()
+    poison.assign(float("nan"))
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                "DCTDP: non-finite gradient"):
+      repl.run(step_fn, input_fn)
+    self.assertEqual(int(opt.iterations.numpy()), 1)
+    for got, want in zip(snapshot(), before):
+      self.assertLen(got, len(want))
+      for a, b in zip(got, want):
+        self.assertAllEqual(a, b)
+    poison.assign(0.0)
+    repl.run(step_fn, input_fn)
+    self.assertEqual(int(opt.iterations.numpy()), 2)
+
+
 if __name__ == "__main__":
   tf.test.main()

@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_dct
+from tf_dct import compression
 from tests import util
 
 
@@ -62,6 +63,16 @@ class PerReplicaStateTest(tf.test.TestCase):
     with self.assertRaisesRegex(RuntimeError, r"PerReplicaState.local\(\) must be called inside step_fn"):
       with self.repl.scope():
         state.local()
+
+  def test_name_must_be_a_string(self):
+    for name in (5, "", None):
+      with self.assertRaisesRegex(TypeError, "per_replica_state: name must be "
+                                  f"a non-empty string, got {name!r}"):
+        self.repl.per_replica_state(0.0, name=name)
+    c = compression.Dense()
+    c.bind(self.repl)
+    with self.assertRaisesRegex(TypeError, "name must be a non-empty string"):
+      c.per_replica_state(0.0, name=5)
 
   def test_assign_all_checks_count(self):
     state = self._state()

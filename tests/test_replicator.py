@@ -151,6 +151,23 @@ class RunTest(tf.test.TestCase):
       tf_dct.Replicator(devices[:2], num_devices_per_replica=2, jit_compile=True)
     tf_dct.Replicator(devices[:1], jit_compile=True)  # one device: allowed
 
+  def test_device_names_are_checked(self):
+    with self.assertRaisesRegex(ValueError, r"devices: '/cpu:99' is not a "
+                                r"logical device of this process; available: "
+                                r".*device:CPU:0, .*device:CPU:3"):
+      tf_dct.Replicator(["/cpu:0", "/cpu:99"])
+    if not tf.config.list_logical_devices("GPU"):
+      with self.assertRaisesRegex(ValueError, r"devices: '/gpu:0' is not a "
+                                  r"logical device of this process"):
+        tf_dct.Replicator(["/gpu:0"])
+    with self.assertRaisesRegex(TypeError, r"devices must be a list of device "
+                                r"names, e.g. \['/cpu:0'\], got the string"):
+      tf_dct.Replicator("/cpu:0")
+    with self.assertRaisesRegex(TypeError, "devices must hold device names"):
+      tf_dct.Replicator([0, 1])
+    full = tf_dct.Replicator(["/device:CPU:2", "/cpu:3"])
+    self.assertLen(full.replica_devices, 2)
+
 
 class LogicalDeviceTest(tf.test.TestCase):
 

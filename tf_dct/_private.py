@@ -263,3 +263,14 @@ def check() -> None:
   assert "self.update_step(grad, var, learning_rate)" in inspect.getsource(
       base._distributed_tf_update_step), (
           "Keras 3 no longer applies each variable through update_step")
+  # `tf_dct.keras.updates_wait_for_aggregation`: Keras 3's public `apply`
+  # aggregates (in `_backend_apply_gradients`) before it counts the step.
+  apply_src = inspect.getsource(base.apply)
+  assert ("_backend_apply_gradients" in apply_src
+          and "_iterations.assign_add(1)" in apply_src
+          and apply_src.index("_backend_apply_gradients")
+          < apply_src.index("_iterations.assign_add(1)")), (
+              "Keras 3 apply no longer counts the step after aggregating")
+  assert update_src.index(KERAS3_AGGREGATION_METHOD) < update_src.index(
+      "maybe_merge_call"), (
+          "Keras 3 no longer aggregates in replica context, before its merge")

@@ -36,8 +36,11 @@ class PerReplicaState(tf.Module):
       replicator: the `tf_dct` replicator whose replicas own the values.
       initial_value: a tensor-like (same start on every replica) or a callable
         `replica_id -> tensor-like` for a different start per replica.
-      name: variable name prefix.
+      name: variable name prefix, a non-empty string.
     """
+    if not isinstance(name, str) or not name:
+      raise TypeError(f"per_replica_state: name must be a non-empty string, "
+                      f"got {name!r}")
     super().__init__(name=name.replace("/", "_"))
     self._replicator = replicator
     first = replicator.first_local_replica_id

@@ -32,6 +32,40 @@ def check_positive_int(name: str, value) -> int:
   return value
 
 
+def check_devices(devices) -> list[str]:
+  """Returns `devices` as a list if every name is a local logical device.
+
+  A name TensorFlow does not know (e.g. "/cpu:99", or "/gpu:0" on a machine
+  without GPUs) would otherwise be placed silently on another device. Names
+  of remote jobs, and names without a device type, are left to TensorFlow.
+
+  Raises:
+    TypeError: `devices` is a string, not a list of device names.
+    ValueError: a name is not a local logical device (the message lists the
+      available ones).
+  """
+  if isinstance(devices, (str, bytes)):
+    raise TypeError(f"devices must be a list of device names, e.g. "
+                    f"[{devices!r}], got the string {devices!r}")
+  devices = list(devices)
+  available = tf.config.list_logical_devices()
+  known = set()
+  for d in available:
+    spec = tf.DeviceSpec.from_string(d.name)
+    known.add((spec.device_type.upper(), spec.device_index))
+  for name in devices:
+    if not isinstance(name, str):
+      raise TypeError(f"devices must hold device names (strings), got {name!r}")
+    spec = tf.DeviceSpec.from_string(name)
+    if spec.device_type is None or spec.job not in (None, "localhost"):
+      continue
+    if (spec.device_type.upper(), spec.device_index or 0) not in known:
+      raise ValueError(
+          f"devices: {name!r} is not a logical device of this process; "
+          f"available: {', '.join(d.name for d in available)}")
+  return devices
+
+
 def group_devices(devices: Sequence[str], num_devices_per_replica: int
                  ) -> list[list[str]]:
   """Cuts `devices` into consecutive groups, one group per replica."""
@@ -253,8 +287,9 @@ class ReplicatorMixin:
       optimizer: a tf-keras or Keras 3 optimizer created in this scope. It is
         wrapped in place (its class gains the aggregation hook; its state and
         checkpoint layout stay) and returned.
-      compression: a `tf_dct.compression.Compressor`; None means dense SUM,
-        exactly the built-in aggregation.
+      compression: a `tf_dct.compression.Compressor` instance of its own
+        (one per wrapped optimizer); None means dense SUM, exactly the
+        built-in aggregation.
 
     Returns:
       The same optimizer object, now aggregating through `compression`.
@@ -262,6 +297,7 @@ class ReplicatorMixin:
     from tf_dct import keras as keras_adapters  # pylint: disable=g-import-not-at-top
     from tf_dct.compression import Dense  # pylint: disable=g-import-not-at-top
     compressor = Dense() if compression is None else compression
+    keras_adapters.check_compression(compressor, self)
     if hasattr(compressor, "config"):
       self._wrap_count = getattr(self, "_wrap_count", 0) + 1
       self._agree(f"wrap_optimizer_{self._wrap_count}",
@@ -298,6 +334,7 @@ class Replicator(ReplicatorMixin, tf.distribute.MirroredStrategy):
     if devices is None:
       devices = [d.name for d in tf.config.list_logical_devices("GPU")] or [
           d.name for d in tf.config.list_logical_devices("CPU")]
+    devices = check_devices(devices)
     groups = group_devices(devices, num_devices_per_replica)
     if jit_compile and len(devices) > 1:
       # XLA compiles the step for one device; a step over several devices

@@ -289,5 +289,153 @@ class ReadCheckedTest(parameterized.TestCase, tf.test.TestCase):
     self.assertLen(waiting, 2 * reads_per_replica + 2)
 
 
+# Compressors whose selection reshapes a gradient to the variable's shape.
+RESHAPING = {
+    "DCTDP": lambda: compression.DCTDP(0.5, min_count=0, native=False,
+                                       sparse_gradients="compress"),
+    "DCTDP_native": lambda: compression.DCTDP(0.5, min_count=0,
+                                              sparse_gradients="compress"),
+    "TopK": lambda: compression.TopK(0.5, min_count=0,
+                                     sparse_gradients="compress"),
+    "DEFT": lambda: compression.DEFT(0.5, min_count=0,
+                                     sparse_gradients="compress"),
+}
+
+
+def _bound(make, shape=(4, 3), dtype=tf.float32, name="kernel"):
+  """A compressor bound to a 2-replica Replicator and one variable."""
+  repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"])
+  c = make()
+  c.bind(repl)
+  with repl.scope():
+    v = tf.Variable(tf.zeros(shape, dtype), name=name)
+  return repl, c, v
+
+
+def _dense_step(repl, c, v, signature=None):
+  """A step aggregating one dense gradient `g` of `v` on every replica."""
+  @tf.function(input_signature=signature)
+  def step(g):
+    return repl.run(lambda: c.aggregate([(g, v)])[0][0])
+  return step
+
+
+def _slices_step(repl, c, v):
+  """A step aggregating IndexedSlices (values, row ids) of table `v`."""
+  @tf.function
+  def step(values, ids):
+    g = tf.IndexedSlices(values, ids, tf.constant(v.shape.as_list()))
+    return repl.run(lambda: tf.convert_to_tensor(c.aggregate([(g, v)])[0][0]))
+  return step
+
+
+def _state(c, v):
+  return {k: np.asarray(x) for k, x in c.state_values(v).items()}
+
+
+class GradientChecksTest(tf.test.TestCase, parameterized.TestCase):
+
+  def _assert_same_state(self, before, after):
+    self.assertEqual(set(before), set(after))
+    for key in before:
+      self.assertAllEqual(before[key], after[key], msg=key)
+
+  @parameterized.named_parameters(*[(n, n) for n in RESHAPING])
+  def test_misshapen_gradient_raises_at_trace(self, name):
+    repl, c, v = _bound(RESHAPING[name])
+    owner = "DEFT" if name == "DEFT" else ("TopK" if name == "TopK" else "DCTDP")
+    with self.assertRaisesRegex(
+        ValueError, rf"{owner}: the gradient of variable 'kernel' has shape "
+        r"\[3, 4\], the variable \[4, 3\]"):
+      _dense_step(repl, c, v)(tf.ones([3, 4]))
+    self.assertAllEqual(_state(c, v)["residual"], np.zeros([2, 4, 3]))
+
+  @parameterized.named_parameters(*[(n, n) for n in RESHAPING])
+  def test_misshapen_gradient_of_unknown_shape_moves_no_state(self, name):
+    repl, c, v = _bound(RESHAPING[name])
+    step = _dense_step(repl, c, v, [tf.TensorSpec(None, tf.float32)])
+    step(tf.reshape(tf.range(12, dtype=tf.float32), [4, 3]))  # a good step
+    before = _state(c, v)
+    with self.assertRaisesRegex(
+        tf.errors.InvalidArgumentError,
+        r"the gradient of variable kernel must have the shape of the "
+        r"variable, \[4, 3\]"):
+      step(tf.reshape(tf.range(12, dtype=tf.float32), [3, 4]))
+    self._assert_same_state(before, _state(c, v))
+
+  @parameterized.named_parameters(*[(n, n) for n in RESHAPING])
+  def test_misshapen_indexed_slices_raise_at_trace(self, name):
+    repl, c, v = _bound(RESHAPING[name], shape=(6, 3), name="table")
+    step = _slices_step(repl, c, v)
+    with self.assertRaisesRegex(
+        ValueError, r"IndexedSlices gradient of variable 'table' has rows of "
+        r"shape \[4\], the variable \[6, 3\]"):
+      step(tf.ones([2, 4]), tf.constant([0, 1]))
+
+    @tf.function
+    def wrong_dense_shape():
+      g = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 1]),
+                           tf.constant([7, 3]))
+      return repl.run(lambda: tf.convert_to_tensor(c.aggregate([(g, v)])[0][0]))
+
+    with self.assertRaisesRegex(
+        ValueError, r"IndexedSlices gradient of variable 'table' has "
+        r"dense_shape \[7, 3\], the variable \[6, 3\]"):
+      wrong_dense_shape()
+
+  @parameterized.named_parameters(*[(n, n) for n in RESHAPING])
+  def test_row_id_out_of_range_moves_no_state(self, name):
+    repl, c, v = _bound(RESHAPING[name], shape=(6, 3), name="table")
+    step = _slices_step(repl, c, v)
+    values = tf.reshape(tf.range(6, dtype=tf.float32), [2, 3])
+    step(values, tf.constant([0, 5]))  # a good step
+    before = _state(c, v)
+    for bad in (6, -1):
+      with self.assertRaisesRegex(
+          tf.errors.InvalidArgumentError,
+          r"IndexedSlices gradient of variable table: row ids must be in "
+          r"\[0, 6\) \(its row count\)"):
+        step(values, tf.constant([0, bad]))
+      self._assert_same_state(before, _state(c, v))
+
+  @parameterized.named_parameters(*[(n, n) for n in RESHAPING])
+  def test_float64_is_compressed(self, name):
+    repl, c, v = _bound(RESHAPING[name], dtype=tf.float64)
+    g = tf.reshape(tf.range(12, dtype=tf.float64), [4, 3])
+    out = util.local(repl, _dense_step(repl, c, v)(g))
+    residuals = _state(c, v)["residual"]
+    self.assertEqual(out[0].dtype, np.float64)
+    self.assertEqual(residuals.dtype, np.float64)
+    # Conservation: what was summed plus what is held back is every gradient.
+    self.assertAllEqual(out[0] + residuals.sum(0), 2 * g.numpy())
+    self.assertGreater(np.count_nonzero(residuals), 0)
+
+  @parameterized.named_parameters(*[(n, n) for n in RESHAPING])
+  def test_gradient_of_another_dtype_raises_at_trace(self, name):
+    repl, c, v = _bound(RESHAPING[name])
+    with self.assertRaisesRegex(
+        TypeError, r"the gradient of variable 'kernel' has dtype float64, "
+        r"the variable float32"):
+      _dense_step(repl, c, v)(tf.ones([4, 3], tf.float64))
+
+  @parameterized.named_parameters(
+      ("DCTDP", compression.DCTDP, "int32", "float16, float32, float64"),
+      ("DCTDP_bfloat16", compression.DCTDP, "bfloat16",
+       "float16, float32, float64"),
+      ("TopK", compression.TopK, "int32", "float16, float32, float64"),
+      ("HardThreshold", lambda: compression.HardThreshold(0.5), "bfloat16",
+       "float16, float32, float64"),
+      ("DEFT", compression.DEFT, "int32",
+       "float16, bfloat16, float32, float64"),
+      ("CLTK", compression.CLTK, "int64",
+       "float16, bfloat16, float32, float64"))
+  def test_unsupported_variable_dtype(self, make, dtype, supported):
+    _, c, v = _bound(make, dtype=tf.as_dtype(dtype))
+    with self.assertRaisesRegex(
+        TypeError, rf"variable 'kernel:0' has dtype {dtype}; supported "
+        rf"dtypes: {supported}$"):
+      c.create_states([v])
+
+
 if __name__ == "__main__":
   tf.test.main()

@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dct import _private
+from tf_dct import validation
 from tf_dct.compression import accounting
 from tf_dct.compression import adam_correction
 from tf_dct.compression import error_feedback
@@ -149,6 +150,10 @@ class Compressor(tf.Module):
       for `sparse_gradients`. "compress": always by the compressor.
   """
 
+  # Variable dtypes `check_variable` accepts (the ops of every path exist).
+  supported_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32",
+                                       "float64")
+
   def __init__(self, name: str | None = None, exclude: Sequence[str] = (),
                sparse_gradients: str = "auto", dense_gradients: str = "auto"):
     super().__init__(name=name)
@@ -192,6 +197,7 @@ class Compressor(tf.Module):
   def _init_momentum(self, momentum, momentum_masking) -> None:
     """Validates and sets the momentum-correction options (see `corrects_momentum`)."""
     owner = type(self).__name__
+    momentum = validation.as_python_number(momentum)
     if momentum is not None:
       ok = (isinstance(momentum, numbers.Real) and not isinstance(momentum, bool)
             and 0 <= momentum < 1)
@@ -545,14 +551,14 @@ class Compressor(tf.Module):
     """Returns the entry count N of a variable this compressor can handle.
 
     Raises:
-      TypeError: the variable is not floating point (named).
+      TypeError: its dtype is not in `supported_dtypes` (named).
       ValueError: its shape is not static, or N exceeds `max_size` (named).
     """
     owner = type(self).__name__
-    if not variable.dtype.is_floating:
-      raise TypeError(f"{owner} compresses floating-point variables only; "
-                      f"variable {variable.name!r} has dtype "
-                      f"{variable.dtype.name}")
+    if variable.dtype.name not in self.supported_dtypes:
+      raise TypeError(f"{owner}: variable {variable.name!r} has dtype "
+                      f"{variable.dtype.name}; supported dtypes: "
+                      f"{', '.join(self.supported_dtypes)}")
     n = variable.shape.num_elements()
     if n is None:
       raise ValueError(f"{owner} needs a static shape; variable "
@@ -871,6 +877,18 @@ class Compressor(tf.Module):
     records[key] = (var, dataclasses.replace(
         rec, reduce_bytes=rec.reduce_bytes + extra))
 
+  def _check_gradients(self, grads, variables, states) -> list:
+    """`error_feedback.check_gradients` on the gradients of variables with
+    state, before anything reads them (momentum, Adam, `reduce`); the others
+    go to a dense all-reduce and the optimizer, which check them."""
+    picked = [i for i, st in enumerate(states) if st]
+    out = list(grads)
+    for i, g in zip(picked, error_feedback.check_gradients(
+        type(self).__name__, [grads[i] for i in picked],
+        [variables[i] for i in picked])):
+      out[i] = g
+    return out
+
   def _snapshot(self, grads, states):
     """Under XLA: this replica's finiteness flag and its state before the step.
 
@@ -933,6 +951,7 @@ class Compressor(tf.Module):
       kept_grads = [g for g, _, _ in kept]
       kept_vars = [v for _, v, _ in kept]
       kept_states = [st for _, _, st in kept]
+      kept_grads = self._check_gradients(kept_grads, kept_vars, kept_states)
       undo = (_private.in_xla_context() and any(kept_states)
               and self._snapshot(kept_grads, kept_states))
       kept_grads, pending = self._correct_momentum(kept_grads, kept_vars,

@@ -192,11 +192,12 @@ def _check_schedule(schedule) -> tuple[tuple[int, float], ...]:
   if pairs is None or isinstance(schedule, (str, bytes)):
     raise ValueError("DCTDP: sparsity_schedule must be a sequence of pairs "
                      f"(steps, sparsity), got {schedule!r}")
-  for i, (steps, sparsity) in enumerate(pairs):
-    _check(f"sparsity_schedule[{i}] steps", steps, numbers.Integral, 1, False)
-    _check(f"sparsity_schedule[{i}] sparsity", sparsity, numbers.Real, 0,
-           True, 1, True)
-  return tuple((int(steps), float(sparsity)) for steps, sparsity in pairs)
+  return tuple(
+      (int(_check(f"sparsity_schedule[{i}] steps", steps, numbers.Integral, 1,
+                  False)),
+       float(_check(f"sparsity_schedule[{i}] sparsity", sparsity,
+                    numbers.Real, 0, True, 1, True)))
+      for i, (steps, sparsity) in enumerate(pairs))
 
 
 def _check_band(band):
@@ -204,7 +205,7 @@ def _check_band(band):
   if band is None:
     return None
   try:
-    low, high = band
+    low, high = (validation.as_python_number(b) for b in band)
     ok = all(isinstance(b, numbers.Real) and not isinstance(b, bool)
              and math.isfinite(b) for b in (low, high))
     ok = ok and 0 <= low <= 1 <= high and low < high
@@ -296,6 +297,9 @@ class DCTDP(Compressor):
 
   docs/dct_dp.md states the exact conventions.
   """
+
+  # Ops of the selection or its wire (e.g. tf.math.top_k) lack bfloat16 kernels.
+  supported_dtypes = ("float16", "float32", "float64")
 
   def __init__(self, sparsity: float = 0.99, threshold_life: int = 1000,
                capacity_factor: float = 2.0, min_size: int = 0,

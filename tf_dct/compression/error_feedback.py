@@ -45,6 +45,80 @@ def check_finite(owner: str, grads: Sequence, variables: Sequence) -> list:
   return checked
 
 
+def _shape_text(shape) -> str:
+  return str(tf.TensorShape(shape).as_list()).replace("None", "?")
+
+
+def check_gradients(owner: str, grads: Sequence, variables: Sequence) -> list:
+  """Checks each gradient's dtype, shape and row ids against its variable.
+
+  What is known statically raises now, at trace: a dtype other than the
+  variable's (TypeError), a dense gradient whose shape differs from the
+  variable's (same entry count or not; ValueError), an `IndexedSlices` whose
+  `dense_shape` or row width differs. What is not is checked in the graph:
+  the shape of a dense gradient of unknown shape, and every row id of an
+  `IndexedSlices` in [0, rows). The returned gradients pass through an
+  identity that waits for those asserts, so every state write computed from
+  them waits too (`checked_reads`); each message names `owner`, the variable
+  and both shapes (or the row count). XLA compiles the asserts away.
+  """
+  out = []
+  for g, v in zip(grads, variables):
+    name = v.name.split(":")[0]
+    values = g.values if isinstance(g, tf.IndexedSlices) else g
+    if values.dtype != v.dtype:
+      raise TypeError(
+          f"{owner}: the gradient of variable {name!r} has dtype "
+          f"{values.dtype.name}, the variable {v.dtype.name}; gradients must "
+          "have their variable's dtype")
+    shape = v.shape
+    if not isinstance(g, tf.IndexedSlices):
+      if not g.shape.is_compatible_with(shape):
+        raise ValueError(
+            f"{owner}: the gradient of variable {name!r} has shape "
+            f"{_shape_text(g.shape)}, the variable {_shape_text(shape)}")
+      if g.shape.is_fully_defined():
+        out.append(g)
+        continue
+      assertion = tf.debugging.assert_equal(
+          tf.shape(g, out_type=tf.int64), tf.constant(shape.as_list(), tf.int64),
+          message=f"{owner}: the gradient of variable {name} must have the "
+          f"shape of the variable, {_shape_text(shape)} (x: the shape of the "
+          "gradient)")
+      with tf.control_dependencies([assertion]):
+        out.append(tf.identity(g))
+      continue
+    static_dense = tf.get_static_value(g.dense_shape)
+    if (static_dense is not None
+        and list(static_dense) != shape.as_list()) or not (
+            g.values.shape[1:].is_compatible_with(shape[1:])):
+      got = (f"dense_shape {_shape_text(static_dense)}"
+             if static_dense is not None and list(static_dense) != shape.as_list()
+             else f"rows of shape {_shape_text(g.values.shape[1:])}")
+      raise ValueError(
+          f"{owner}: the IndexedSlices gradient of variable {name!r} has "
+          f"{got}, the variable {_shape_text(shape)}")
+    rows = shape[0]
+    ids = g.indices
+    checks = [tf.debugging.assert_non_negative(
+                  ids, message=f"{owner}: IndexedSlices gradient of variable "
+                  f"{name}: row ids must be in [0, {rows}) (its row count)"),
+              tf.debugging.assert_less(
+                  ids, tf.cast(rows, ids.dtype),
+                  message=f"{owner}: IndexedSlices gradient of variable "
+                  f"{name}: row ids must be in [0, {rows}) (its row count)")]
+    if not g.values.shape[1:].is_fully_defined():
+      checks.append(tf.debugging.assert_equal(
+          tf.shape(g.values, out_type=tf.int64)[1:],
+          tf.constant(shape[1:].as_list(), tf.int64),
+          message=f"{owner}: the IndexedSlices gradient of variable {name} "
+          f"must have rows of shape {_shape_text(shape[1:])}"))
+    with tf.control_dependencies(checks):
+      out.append(tf.IndexedSlices(tf.identity(g.values), tf.identity(ids),
+                                  g.dense_shape))
+  return out
+
+
 def all_finite(grads: Sequence) -> tf.Tensor:
   """bool scalar: every entry of every gradient (IndexedSlices: values) is finite."""
   flags = [tf.reduce_all(tf.math.is_finite(

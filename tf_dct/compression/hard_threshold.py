@@ -44,6 +44,9 @@ class HardThreshold(error_feedback_compressor.ErrorFeedbackCompressor):
       `ErrorFeedbackCompressor`.
   """
 
+  # Ops of the selection or its wire (e.g. tf.math.top_k) lack bfloat16 kernels.
+  supported_dtypes = ("float16", "float32", "float64")
+
   def __init__(self, threshold: float, capacity_density: float = 0.05,
                min_size: int = 0, warmup_steps: int = 0,
                name: str | None = None, exclude: Sequence[str] = (),

@@ -81,6 +81,9 @@ class TopK(ErrorFeedbackCompressor):
   See the module docstring for the exact conventions.
   """
 
+  # Ops of the selection or its wire (e.g. tf.math.top_k) lack bfloat16 kernels.
+  supported_dtypes = ("float16", "float32", "float64")
+
   _extra_state_keys = ("threshold",)
 
   def __init__(self, density: float = 0.01, min_size: int = 0,

@@ -10,19 +10,25 @@ and extend `build(variables)` to create the compressor's state as well (and
 to create the optimizer's slots in the replicator's scope, wherever `build`
 is called). The tf-keras mixin also applies plain SGD to the variables whose
 momentum or Adam update the compressor runs itself
-(`Compressor.corrects_optimizer`).
+(`Compressor.corrects_optimizer`). Both wrap the public `apply_gradients`
+(tf-keras) or `apply` (Keras 3) so that the optimizer's writes after the
+aggregation, `iterations` included, wait for it
+(`updates_wait_for_aggregation`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from absl import logging
 import tensorflow as tf
 
+from tf_dct.compression import error_feedback
 from tf_dct.compression.base import Compressor
 
 _WRAPPED_CLASSES = {}
+_APPLYING = threading.local()  # per replica thread: (graph, ExitStack) of `apply`
 
 
 def in_replicator_scope(replicator):
@@ -45,9 +51,45 @@ def aggregate(optimizer, grads_and_vars, var_key) -> list:
   `var_key(optimizer, variable)`: the flavour's key of that set."""
   compressor = optimizer._tf_dct_compressor  # pylint: disable=protected-access
   out = compressor.aggregate(grads_and_vars)
+  _rest_waits_for(out)
   optimizer._tf_dct_plain = getattr(optimizer, "_tf_dct_plain", set()) - {  # pylint: disable=protected-access
       var_key(optimizer, v) for _, v in out if compressor.sends_as_is(v)}
   return out
+
+
+@contextlib.contextmanager
+def updates_wait_for_aggregation():
+  """Makes the ops an optimizer step builds after its aggregation wait for it.
+
+  The mixins wrap the public `apply_gradients` (tf-keras) and `apply`
+  (Keras 3) in this. The optimizer's own writes, its `iterations` counter
+  above all, have no data dependency on the aggregate; when the compressor
+  rejects a step (a NaN/Inf or misshapen gradient) they would still run,
+  and e.g. Adam's bias correction would count a step that never happened.
+  `aggregate` enters a control dependency on the aggregate for the rest of
+  the block, so a rejected step moves nothing. Only in the graph the block
+  started in (not in a `tf.cond` branch, as Keras 3's gradient
+  accumulation builds).
+  """
+  outer = getattr(_APPLYING, "frame", None)
+  with contextlib.ExitStack() as stack:
+    _APPLYING.frame = (None if tf.executing_eagerly()
+                       else (tf.compat.v1.get_default_graph(), stack))
+    try:
+      yield
+    finally:
+      _APPLYING.frame = outer
+
+
+def _rest_waits_for(grads_and_vars) -> None:
+  """The rest of the `updates_wait_for_aggregation` block waits for these."""
+  frame = getattr(_APPLYING, "frame", None)
+  if frame is None or tf.compat.v1.get_default_graph() is not frame[0]:
+    return
+  deps = error_feedback.gate([g for g, _ in grads_and_vars])
+  if deps:
+    frame[1].enter_context(tf.control_dependencies(deps))
+    _APPLYING.frame = None  # once per step
 
 
 def _swap_class(optimizer, hook_mixin):
@@ -219,11 +261,34 @@ def _resolve_adam(optimizer, compressor: Compressor) -> None:
         owner, name)
 
 
-def wrap_optimizer(optimizer, compressor: Compressor, replicator):
-  """Wraps `optimizer` in place so it aggregates through `compressor`."""
+def check_compression(compressor, replicator) -> None:
+  """Raises unless `compressor` can serve one more optimizer of `replicator`.
+
+  A compressor keeps per-variable state and statistics for the optimizer it
+  serves, so it must be an instance (not the class), bound to no other
+  replicator, and not already wrapping another optimizer (its statistics
+  would count both).
+  """
+  if isinstance(compressor, type) and issubclass(compressor, Compressor):
+    raise TypeError(
+        f"compression must be a Compressor instance, e.g. "
+        f"{compressor.__name__}(), got the class {compressor.__name__}")
   if not isinstance(compressor, Compressor):
     raise TypeError("compression must be a tf_dct.compression.Compressor, got "
                     f"{type(compressor).__name__}")
+  if compressor.replicator is not None and compressor.replicator is not replicator:
+    raise ValueError("this compressor is already bound to another replicator; "
+                     "create one compressor per wrapped optimizer")
+  if getattr(compressor, "_tf_dct_wraps", False):
+    name = type(compressor).__name__
+    raise ValueError(
+        f"compression: this {name} already aggregates for another optimizer; "
+        f"create one compressor per wrapped optimizer (e.g. {name}() for each)")
+
+
+def wrap_optimizer(optimizer, compressor: Compressor, replicator):
+  """Wraps `optimizer` in place so it aggregates through `compressor`."""
+  check_compression(compressor, replicator)
   if is_wrapped(optimizer):
     raise ValueError("optimizer is already wrapped by tf_dct.wrap_optimizer")
   from tf_dct.keras import keras3_optimizer, tf_keras_optimizer  # pylint: disable=g-import-not-at-top
@@ -239,6 +304,7 @@ def wrap_optimizer(optimizer, compressor: Compressor, replicator):
   _resolve_momentum(optimizer, compressor)
   _resolve_adam(optimizer, compressor)
   compressor.bind(replicator)
+  compressor._tf_dct_wraps = True  # pylint: disable=protected-access
   _swap_class(optimizer, mixin)
   optimizer._tf_dct_compressor = compressor  # tracked: per-replica state is checkpointed
   return optimizer

@@ -43,6 +43,10 @@ class AggregateWithCompressor:
       return
     super().update_step(gradient, variable, learning_rate)
 
+  def apply(self, grads, trainable_variables=None):
+    with keras_adapters.updates_wait_for_aggregation():
+      return super().apply(grads, trainable_variables)
+
   def _all_reduce_sum_gradients(self, grads_and_vars):
     return keras_adapters.aggregate(self, grads_and_vars,
                                     _private.keras3_var_key)

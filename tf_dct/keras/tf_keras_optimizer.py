@@ -41,6 +41,10 @@ class AggregateWithCompressor:
       return
     super().update_step(gradient, variable)
 
+  def apply_gradients(self, grads_and_vars, *args, **kwargs):
+    with keras_adapters.updates_wait_for_aggregation():
+      return super().apply_gradients(grads_and_vars, *args, **kwargs)
+
   def aggregate_gradients(self, grads_and_vars):
     return keras_adapters.aggregate(self, grads_and_vars,
                                     _private.tf_keras_var_key)

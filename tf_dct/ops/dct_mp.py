@@ -25,7 +25,6 @@ Conventions (the numpy reference in tests/ops/reference.py follows them):
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import tensorflow as tf
@@ -37,12 +36,8 @@ FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 def check_sparsity(sparsity, caller: str = "dct_mp") -> float:
   """Returns `sparsity` as a float if it is a real number in [0, 1)."""
-  ok = (not isinstance(sparsity, bool) and isinstance(sparsity, numbers.Real)
-        and math.isfinite(sparsity) and 0 <= sparsity < 1)
-  if not ok:
-    raise ValueError(f"{caller}: sparsity must be a number in [0, 1), "
-                     f"got {sparsity!r}")
-  return float(sparsity)
+  return float(validation.check_number(caller, "sparsity", sparsity,
+                                       numbers.Real, 0, False, 1, True))
 
 
 def num_dropped(d: int, sparsity: float) -> int:
