@@ -109,9 +109,10 @@ flags.DEFINE_enum("sparse_gradients", "auto", ("auto", "stock", "compress"),
                   "as TF does (exact, an all-gather); compress compresses the table; auto "
                   "picks per table whichever moves fewer bytes.")
 flags.DEFINE_enum("dense_gradients", "auto", ("auto", "compress"),
-                  "Dense gradients: auto all-reduces a variable as it is where that moves "
-                  "no more bytes than compressing it (biases, small layers); compress "
-                  "compresses every variable.")
+                  "Dense gradients: auto all-reduces a variable whole (keeping the "
+                  "compressor's momentum or Adam correction) where that moves no more bytes "
+                  "than compressing it (biases, small layers); compress compresses every "
+                  "variable.")
 flags.DEFINE_float("mp_sparsity", None, "DCT-MP sparsity in [0, 1) at --mp_splits. Default 0.9.")
 flags.DEFINE_string("mp_splits", None,
                     "Comma list of the model's split points to insert a DCTSplit at, 'paper' "
@@ -814,13 +815,12 @@ class Job:
     return {"bytes": sum(s["total_forward_bytes"] + s["total_backward_bytes"] for s in stats),
             "dense_bytes": sum(s["total_dense_bytes"] for s in stats)}
 
-  def _sent_as_is(self, reason: str) -> list[str]:
-    """Names of the variables the compressor sends as they are for `reason`
-    (`Compressor.as_is_reason`)."""
+  def _variables_where(self, predicate) -> list[str]:
+    """Names of the model's variables for which `predicate(variable)` holds
+    (False without a compressor)."""
     if self.compressor is None:
       return []
-    return [v.name.split(":")[0] for v in self.model.trainable_variables
-            if self.compressor.as_is_reason(v) == reason]
+    return [v.name.split(":")[0] for v in self.model.trainable_variables if predicate(v)]
 
   def _summary(self) -> dict:
     cfg = self.cfg
@@ -835,8 +835,9 @@ class Job:
         "compression": cfg["compression"], "mp_splits": list(cfg["splits"]),
         "adam_correction": bool(self.compressor is not None
                                 and self.compressor.corrects_adam),
-        "sent_as_rows": self._sent_as_is("sparse_gradients"),
-        "sent_whole": self._sent_as_is("dense_gradients"),
+        "sent_as_rows": self._variables_where(
+            lambda v: self.compressor.sends_as_is(v) and not self.compressor.is_excluded(v)),
+        "sent_whole": self._variables_where(lambda v: self.compressor.sends_whole(v)),
         "start_step": self.start_step, "steps": steps, "losses": list(self.losses),
         "first_loss": self.losses[0] if self.losses else None,
         "final_loss": self.losses[-1] if self.losses else None,

@@ -297,7 +297,7 @@ class WrapOptimizerTest(tf.test.TestCase, parameterized.TestCase):
     with repl.scope():
       model = _model(k)
       opt = repl.wrap_optimizer(k.optimizers.Adam(0.1), compression=(
-          compression.DCTDP(0.5, min_count=0)))
+          compression.DCTDP(0.5, min_count=0, dense_gradients="compress")))
       opt.build(model.trainable_variables)
     poison = tf.Variable(0.0)
     x, _ = _data(8)

@@ -277,40 +277,56 @@ def _dense_run(compressor, steps=2, variables=None, replicas=REPLICAS,
 
 class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
 
-  def test_auto_all_reduces_a_variable_whose_exchange_costs_more(self):
+  def test_auto_sends_whole_a_variable_whose_exchange_costs_more(self):
+    # With momentum correction the bias's aggregate is the sum of the
+    # replicas' velocities u = 0.9 u + g, nothing held back; the kernel is
+    # compressed.
     compressor = compression.DCTDP(sparsity=0.99, min_count=8, momentum=0.9)
-    out, exact, variables = _dense_run(compressor)
+    out, _, variables = _dense_run(compressor)
     bias, kernel = variables["bias"], variables["kernel"]
-    self.assertTrue(compressor.sends_as_is(bias))
-    self.assertFalse(compressor.sends_as_is(kernel))
-    for t, sums in enumerate(exact):
+    self.assertTrue(compressor.sends_whole(bias))
+    self.assertFalse(compressor.sends_whole(kernel))
+    self.assertFalse(compressor.sends_as_is(bias))
+    rng = np.random.default_rng(2)  # the feeds of `_dense_run`
+    feeds = {name: rng.normal(size=[2, REPLICAS] + shape).astype(dtype)
+             for name, (shape, dtype) in DENSE.items()}
+    u = np.zeros([REPLICAS, 8], np.float32)
+    for t in range(2):
+      u = 0.9 * u + feeds["bias"][t]
       for r in range(REPLICAS):
-        self.assertAllClose(out[t][r][0], sums[0], atol=1e-6, rtol=0)
-    self.assertNotAllClose(out[0][0][1], exact[0][1])
+        self.assertAllClose(out[t][r][0], u.sum(0), atol=1e-6, rtol=0)
+    self.assertAllClose(compressor.state_values(bias)["velocity"], u,
+                        atol=1e-6, rtol=0)
+    self.assertAllEqual(compressor.state_values(bias)["residual"],
+                        np.zeros([REPLICAS, 8]))
+    self.assertNotAllClose(out[0][0][1], feeds["kernel"][0].sum(0))
     stats = compressor.communication_stats()["variables"]
     self.assertEqual(stats["bias"]["last"]["bytes_sent"], [32] * REPLICAS)
     self.assertEqual(stats["kernel"]["last"]["bytes_sent"], [84] * REPLICAS)
-    # The bias keeps the optimizer's momentum; the kernel is corrected.
-    self.assertFalse(compressor.corrects_optimizer(bias))
+    # Both are updated by the compressor's rule (plain SGD in the optimizer).
+    self.assertTrue(compressor.corrects_optimizer(bias))
     self.assertTrue(compressor.corrects_optimizer(kernel))
 
   def test_compress_always_compresses(self):
     compressor = compression.DCTDP(sparsity=0.99, min_count=8,
                                    dense_gradients="compress")
     _, _, variables = _dense_run(compressor, steps=1)
-    self.assertFalse(compressor.sends_as_is(variables["bias"]))
+    self.assertFalse(compressor.sends_whole(variables["bias"]))
     stats = compressor.communication_stats()["variables"]
     self.assertEqual(stats["bias"]["last"]["bytes_sent"], [44] * REPLICAS)
 
   def test_adam_side_channel_is_priced(self):
-    # Adam correction adds the kernel's 8 + 4 column and row sums (48 bytes
-    # all-reduced): 84 + 48 > 128, so the kernel is all-reduced as it is.
+    # Adam correction adds the kernel's 8 + 4 row and column sums (48 bytes
+    # all-reduced): 84 + 48 > 128, so the kernel is sent whole, and its
+    # whole step counts the side channel too (128 + 48 bytes).
     compressor = compression.DCTDP(sparsity=0.99, min_count=8)
     compressor.set_adam(0.9, 0.999, 1e-7)
-    _, exact, variables = _dense_run(compressor, steps=1)
+    _, _, variables = _dense_run(compressor, steps=1)
     for v in variables.values():
-      self.assertTrue(compressor.sends_as_is(v), v.name)
-      self.assertFalse(compressor.corrects_optimizer(v), v.name)
+      self.assertTrue(compressor.sends_whole(v), v.name)
+      self.assertTrue(compressor.corrects_optimizer(v), v.name)
+    stats = compressor.communication_stats()["variables"]
+    self.assertEqual(stats["kernel"]["last"]["bytes_sent"], [176] * REPLICAS)
 
   def test_break_even_grows_with_replicas(self):
     # The kernel's exchange: (n - 1) x 84 gathered against 2 (n - 1) / n x
@@ -328,15 +344,15 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
              "c64": ([4], np.float64)}
     out, exact, made = _dense_run(compressor, steps=1, variables=specs)
     for i, v in enumerate(made.values()):
-      self.assertTrue(compressor.sends_as_is(v), v.name)
+      self.assertTrue(compressor.sends_whole(v), v.name)
       for r in range(REPLICAS):
         self.assertAllClose(out[0][r][i], exact[0][i], atol=1e-6, rtol=0)
 
   def test_under_xla(self):
     compressor = compression.DCTDP(sparsity=0.99, min_count=8)
     out, exact, made = _dense_run(compressor, replicas=1, jit_compile=True)
-    self.assertTrue(compressor.sends_as_is(made["bias"]))
-    self.assertFalse(compressor.sends_as_is(made["kernel"]))
+    self.assertTrue(compressor.sends_whole(made["bias"]))
+    self.assertFalse(compressor.sends_whole(made["kernel"]))
     for t in range(2):
       self.assertAllClose(out[t][0][0], exact[t][0], atol=1e-6, rtol=0)
 

@@ -291,14 +291,12 @@ class ReadCheckedTest(parameterized.TestCase, tf.test.TestCase):
 
 # Compressors whose selection reshapes a gradient to the variable's shape.
 RESHAPING = {
-    "DCTDP": lambda: compression.DCTDP(0.5, min_count=0, native=False,
-                                       sparse_gradients="compress"),
-    "DCTDP_native": lambda: compression.DCTDP(0.5, min_count=0,
-                                              sparse_gradients="compress"),
-    "TopK": lambda: compression.TopK(0.5, min_count=0,
-                                     sparse_gradients="compress"),
-    "DEFT": lambda: compression.DEFT(0.5, min_count=0,
-                                     sparse_gradients="compress"),
+    "DCTDP": lambda: DCTDP(0.5, min_count=0, native=False,
+                           sparse_gradients="compress"),
+    "DCTDP_native": lambda: DCTDP(0.5, min_count=0,
+                                  sparse_gradients="compress"),
+    "TopK": lambda: TopK(0.5, min_count=0, sparse_gradients="compress"),
+    "DEFT": lambda: DEFT(0.5, min_count=0, sparse_gradients="compress"),
 }
 
 
@@ -423,7 +421,7 @@ class GradientChecksTest(tf.test.TestCase, parameterized.TestCase):
       ("DCTDP_bfloat16", compression.DCTDP, "bfloat16",
        "float16, float32, float64"),
       ("TopK", compression.TopK, "int32", "float16, float32, float64"),
-      ("HardThreshold", lambda: compression.HardThreshold(0.5), "bfloat16",
+      ("HardThreshold", lambda: HardThreshold(0.5), "bfloat16",
        "float16, float32, float64"),
       ("DEFT", compression.DEFT, "int32",
        "float16, bfloat16, float32, float64"),

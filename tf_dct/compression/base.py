@@ -142,12 +142,15 @@ class Compressor(tf.Module):
       `create_states` made for a variable sent as it is stays unused (zeros;
       name the variable in `exclude` to have none).
     dense_gradients: how a variable whose gradient is a dense tensor is sent.
-      "auto" (default): all-reduced as it is where that moves no more bytes
-      per replica than the compressor's exchange would (`dense_is_cheaper`):
-      a bias or a small layer, whose wire slots and indices outweigh its
+      "auto" (default): whole, one all-reduce of its accumulator (g + E,
+      then E = 0, as in a dense phase), where that moves no more bytes per
+      replica than the compressor's exchange would (`dense_is_cheaper`): a
+      bias or a small layer, whose wire slots and indices outweigh its
       entries. The break-even size grows with the number of replicas (an
-      all-gather's bytes do, an all-reduce's do not). Decided and kept as
-      for `sparse_gradients`. "compress": always by the compressor.
+      all-gather's bytes do, an all-reduce's do not). The variable keeps
+      the compressor's momentum or Adam correction, so it is updated by the
+      same rule as the compressed ones. Decided at its first gradient and
+      kept (`sends_whole`). "compress": always by the compressor.
   """
 
   # Variable dtypes `check_variable` accepts (the ops of every path exist).
@@ -168,6 +171,7 @@ class Compressor(tf.Module):
                        f"{DENSE_GRADIENTS}, got {dense_gradients!r}")
     self.dense_gradients = dense_gradients
     self._as_is = {}         # variable ref -> sent as it is (`sends_as_is`)
+    self._whole = {}         # variable ref -> sent whole (`sends_whole`)
     self._replicator = None
     self._lock = threading.Lock()
     self._keys = {}          # variable ref -> state key, in first-seen order
@@ -331,6 +335,18 @@ class Compressor(tf.Module):
           f"now {mode(driven)}; with warmup_steps or a schedule, trace every "
           "step in its phase (Replicator.run with the wrapped optimizer, "
           "tf_dct.keras.phase_callback for fit) or none, on one compressor")
+
+  def _reduce_kept(self, ctx, grads, variables, states, whole) -> list:
+    """`_flush` for the variables sent `whole`, `reduce` for the others."""
+    out = [None] * len(grads)
+    for flag, run in ((True, self._flush), (False, self.reduce)):
+      picked = [i for i, w in enumerate(whole) if w == flag]
+      if picked:
+        for i, r in zip(picked, run(ctx, [grads[i] for i in picked],
+                                    [variables[i] for i in picked],
+                                    [states[i] for i in picked])):
+          out[i] = r
+    return out
 
   def _flush(self, ctx, grads, variables, states) -> list:
     """A dense phase: each replica sends its accumulator g + E whole (one SUM
@@ -663,32 +679,30 @@ class Compressor(tf.Module):
           self._keys[ref] = key  # only once its state exists
       return [self.state[self._keys[v.ref()]] for v in variables]
 
-  def _decide(self, pairs, states) -> list[bool]:
+  def _decide(self, pairs, states) -> tuple[list[bool], list[bool]]:
     """Per (gradient, variable) pair: whether it is sent as it is
-    (`sends_as_is`), chosen at a variable's first gradient and kept.
-    `states`: the pairs' states (`_states_for`)."""
+    (`sends_as_is`) and whether it is sent whole (`sends_whole`), chosen at
+    a variable's first gradient and kept. `states`: the pairs' states."""
     with self._lock:
       for (g, v), st in zip(pairs, states):
         if v.ref() not in self._as_is:
-          self._as_is[v.ref()] = (
-              "exclude" if self.is_excluded(v)
-              else "sparse_gradients" if self._sparse_as_is(g, v)
-              else "dense_gradients" if self._dense_as_is(g, v, st) else None)
-    return [self._as_is[v.ref()] is not None for _, v in pairs]
+          as_is = self.is_excluded(v) or self._sparse_as_is(g, v)
+          self._whole[v.ref()] = not as_is and self._dense_whole(g, v, st)
+          self._as_is[v.ref()] = as_is
+    return ([self._as_is[v.ref()] for _, v in pairs],
+            [self._whole[v.ref()] for _, v in pairs])
 
   def sends_as_is(self, variable) -> bool:
     """Whether `variable` is all-reduced (or all-gathered) as it is, with no
-    state: excluded by name, or its gradient sent as stock TF sends it
-    (`sparse_gradients`, `dense_gradients`, decided at its first gradient)."""
-    return self.as_is_reason(variable) is not None
-
-  def as_is_reason(self, variable) -> str | None:
-    """Why `variable` is sent as it is: "exclude", "sparse_gradients" (an
-    embedding's rows) or "dense_gradients" (its all-reduce is cheaper);
-    None when it is compressed or has not had a gradient yet."""
+    state: excluded by name, or its sparse gradient sent as stock TF sends
+    it (`sparse_gradients`, decided at its first gradient)."""
     variable = as_tf_variable(variable)
-    return self._as_is.get(variable.ref(),
-                           "exclude" if self.is_excluded(variable) else None)
+    return self._as_is.get(variable.ref(), self.is_excluded(variable))
+
+  def sends_whole(self, variable) -> bool:
+    """Whether `variable`'s accumulator is all-reduced whole on compressed
+    steps (`dense_gradients`, decided at its first gradient)."""
+    return self._whole.get(as_tf_variable(variable).ref(), False)
 
   def _sparse_as_is(self, grad, variable) -> bool:
     """The `sparse_gradients` choice for `variable`, from its first gradient."""
@@ -709,7 +723,7 @@ class Compressor(tf.Module):
       return False
     return self.stock_is_cheaper(grad, variable, _replicas_priced())
 
-  def _dense_as_is(self, grad, variable, state) -> bool:
+  def _dense_whole(self, grad, variable, state) -> bool:
     """The `dense_gradients` choice for `variable`, from its first gradient.
     A variable the compressor already sends dense (no `state`) stays with it."""
     if (isinstance(grad, tf.IndexedSlices) or self.dense_gradients == "compress"
@@ -943,8 +957,9 @@ class Compressor(tf.Module):
     if not pairs:
       return grads_and_vars
     states = self._states_for([v for _, v in pairs])  # keys in this order
-    excluded = self._decide(pairs, states)
+    excluded, whole = self._decide(pairs, states)
     kept = [(g, v, st) for (g, v), st, ex in zip(pairs, states, excluded) if not ex]
+    whole = [w for w, ex in zip(whole, excluded) if not ex]
     passed = [p for p, ex in zip(pairs, excluded) if ex]
     self._recording.records = {}
     try:
@@ -961,8 +976,8 @@ class Compressor(tf.Module):
       kept_grads, adam_pending = self._adam_before(ctx, kept_grads, kept_vars,
                                                    kept_states)
       dense_phase = self.phase is not None and self.phase_is_dense(self.phase)
-      reduce = self._flush if dense_phase else self.reduce
-      out_kept = (reduce(ctx, kept_grads, kept_vars, kept_states)
+      out_kept = (self._reduce_kept(ctx, kept_grads, kept_vars, kept_states,
+                                    [True] * len(kept) if dense_phase else whole)
                   if kept else [])
       self._mask_velocities(pending)
       out_kept = self._adam_after(out_kept, kept_vars, kept_states, adam_pending)
