@@ -733,17 +733,13 @@ class Compressor(tf.Module):
 
   def dense_is_cheaper(self, variable, num_replicas: int) -> bool:
     """Whether all-reducing `variable`'s dense gradient moves no more bytes
-    per replica than this compressor's exchange would (`compressed_bytes`,
-    plus Adam correction's side channel when it is on; ring model of
-    `accounting`). False when the compressor's bytes are not known
-    statically."""
+    per replica than this compressor's exchange would (`compressed_bytes`;
+    ring model of `accounting`). Adam correction's side channel is sent
+    either way and does not count. False when the compressor's bytes are
+    not known statically."""
     cost = self._exchange_cost(variable, num_replicas)
     if cost is None:
       return False
-    if self._adam_hparams:
-      cost += accounting.all_reduce_bytes(adam_correction.side_channel_size(
-          variable, self.adam_second_moment) * variable.dtype.size,
-                                          num_replicas)
     dense = accounting.all_reduce_bytes(
         variable.shape.num_elements() * variable.dtype.size, num_replicas)
     return dense <= cost

@@ -248,9 +248,10 @@ class DCTDP(Compressor):
     sparse_gradients: "auto" (default), "stock" or "compress": how
       `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
       them as TF does where that moves fewer bytes (`Compressor`).
-    dense_gradients: "auto" (default) or "compress": "auto" all-reduces a
-      dense gradient as it is where that moves no more bytes than
-      compressing it (a bias, a small layer; `Compressor`).
+    dense_gradients: "auto" (default) or "compress": "auto" sends a
+      variable with a dense gradient whole (one all-reduce) where that
+      moves no more bytes than compressing it (a bias, a small layer;
+      `Compressor`).
     native: use the native CPU kernels (`tf_dct.ops.native`, built on first
       use; results bit-identical to stock ops) for lines 2-11 of every
       variable and the long wire buffers (line 12). None

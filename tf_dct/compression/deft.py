@@ -322,9 +322,10 @@ class DEFT(Compressor):
     sparse_gradients: "auto" (default), "stock" or "compress": how
       `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
       them as TF does where that moves fewer bytes (`Compressor`).
-    dense_gradients: "auto" (default) or "compress": "auto" all-reduces a
-      dense gradient as it is where that moves no more bytes than
-      compressing it (a bias, a small layer; `Compressor`).
+    dense_gradients: "auto" (default) or "compress": "auto" sends a
+      variable with a dense gradient whole (one all-reduce) where that
+      moves no more bytes than compressing it (a bias, a small layer;
+      `Compressor`).
     momentum, momentum_masking: momentum correction, as in `DCTDP`.
     adam, adam_second_moment, adam_select, adam_first_moment: Adam
       correction, as in `DCTDP`, but off by default: with DEFT's norm-based
