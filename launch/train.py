@@ -35,6 +35,8 @@ import tf_keras
 import tf_dct
 from tf_dct import keras as tf_dct_keras
 from launch import registry
+from models.data.errors import DataError
+from models.data.errors import MALFORMED
 
 MODELS = tuple(registry.SPECS)
 CONFIGS = ("default", "local")
@@ -945,9 +947,23 @@ def main(argv):
   tf.get_logger().setLevel("ERROR")
   try:
     train(resolved_config())
-  except (FlagError, TrainingDiverged) as e:  # one line naming the flag, no traceback
+  except (FlagError, TrainingDiverged, DataError, FileNotFoundError) as e:
+    # One line naming the flag or path:line, no traceback.
     print(f"launch.train: error: {e}", file=sys.stderr)
     sys.exit(1)
+  except tf.errors.InvalidArgumentError as e:
+    malformed = data_error_in(e)
+    if malformed is None:
+      raise
+    print(f"launch.train: error: {malformed}", file=sys.stderr)
+    sys.exit(1)
+
+
+def data_error_in(error: tf.errors.OpError) -> str | None:
+  """The `path:line: reason` of a reader's in-graph check in `error`
+  (`models.data.errors.MALFORMED`), or None for any other error."""
+  found = re.search(re.escape(MALFORMED) + r"([^\]\n]*)", error.message)
+  return found.group(1).strip().strip("'\"") if found else None
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from models.data.errors import DataError
+
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 RECORD_BYTES = 1 + 32 * 32 * 3
@@ -31,20 +33,20 @@ def read_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
 
   Raises:
     FileNotFoundError: `path` does not exist.
-    ValueError: the size is not a whole number of records, or a label is not
+    DataError: the size is not a whole number of records, or a label is not
       in 0..9 (the message names the file and the record).
   """
   if not os.path.isfile(path):
     raise FileNotFoundError(f"CIFAR-10 batch file not found: {path}")
   raw = np.fromfile(path, np.uint8)
   if raw.size % RECORD_BYTES:
-    raise ValueError(f"{path}: size {raw.size} bytes is not a multiple of the "
-                     f"{RECORD_BYTES}-byte CIFAR-10 record")
+    raise DataError(f"{path}: size {raw.size} bytes is not a multiple of the "
+                    f"{RECORD_BYTES}-byte CIFAR-10 record")
   records = raw.reshape(-1, RECORD_BYTES)
   labels = records[:, 0].astype(np.int32)
   bad = np.flatnonzero(labels >= NUM_CLASSES)
   if bad.size:
-    raise ValueError(f"{path}: record {bad[0]} has label {labels[bad[0]]}, expected 0..9")
+    raise DataError(f"{path}: record {bad[0]} has label {labels[bad[0]]}, expected 0..9")
   images = records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
   return np.ascontiguousarray(images), labels
 

@@ -11,7 +11,7 @@ empty. Both sources yield batches `((dense, sparse), label)` with
 
 Malformed rows (wrong column count, a non-integer count, a label other than 0
 or 1) are reported as `path:line`. Files up to `eager_check_bytes` are checked
-by a Python pass when the dataset is built (`ValueError`); every file is also
+by a Python pass when the dataset is built (`DataError`, a ValueError); every file is also
 checked inside the pipeline, so a bad row in a big file fails when it is read
 (`tf.errors.InvalidArgumentError` with the same `path:line: reason` text).
 """
@@ -24,6 +24,9 @@ import re
 
 import numpy as np
 import tensorflow as tf
+
+from models.data.errors import DataError
+from models.data.errors import MALFORMED
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -59,12 +62,15 @@ def check_row(line: str) -> str | None:
 
 
 def check_file(path: str) -> None:
-  """Raises ValueError naming `path:line` at the first malformed row."""
+  """Raises DataError naming `path:line` at the first malformed row."""
   with open(path, encoding="utf-8", newline="") as f:
     for number, line in enumerate(f, start=1):
       reason = check_row(line)
       if reason:
-        raise ValueError(f"{path}:{number}: {reason}")
+        if number == 1 and not line.split("\t")[0].strip().isdigit():
+          reason += (" (a header line? Criteo TSV files have none: remove "
+                     "the first line)")
+        raise DataError(f"{path}:{number}: {reason}")
 
 
 def _parse_lines(lines: tf.Tensor, numbers: tf.Tensor, path: tf.Tensor,
@@ -92,12 +98,13 @@ def _parse_lines(lines: tf.Tensor, numbers: tf.Tensor, path: tf.Tensor,
             "label must be 0 or 1, got `", label_s[i], "`"])),
     ], default=lambda: tf.strings.join([
         "integer feature I", num(col + 1), " is not an integer: `", ints_s[i, col], "`"]))
-    message = tf.strings.join([path, ":", num(numbers[i]), ": ", reason])
+    message = tf.strings.join([MALFORMED, path, ":", num(numbers[i]), ": ", reason])
     return tf.debugging.Assert(False, [message])
 
   check = tf.cond(tf.reduce_all(ok), tf.no_op, report)
-  with tf.control_dependencies([check]):
+  with tf.control_dependencies([check]):  # no conversion runs before the check
     ints_s = tf.where(tf.equal(ints_s, ""), "0", ints_s)
+    label_s = tf.identity(label_s)
   dense = tf.math.log1p(tf.maximum(tf.strings.to_number(ints_s, tf.float32), 0.0))
   sparse = tf.stack([
       hash_column(cats[:, j], vocab_sizes[j]) for j in range(NUM_SPARSE)], axis=1)
@@ -123,14 +130,15 @@ def read_tsv(paths: str | Sequence[str], batch_size: int,
     vocab_sizes: hash buckets per categorical feature (one int for all).
     drop_remainder: drop a last batch smaller than `batch_size`.
     eager_check_bytes: files up to this size are fully checked now
-      (ValueError naming `path:line`); bigger ones only as they are read.
+      (DataError naming `path:line`); bigger ones only as they are read.
 
   Returns:
     A dataset of `((dense [B,13] float32, sparse [B,26] int32), label [B,1])`.
 
   Raises:
     FileNotFoundError: a path does not exist.
-    ValueError: a checked file has a malformed row.
+    DataError: a checked file has a malformed row (a bigger file fails
+      in the graph as it is read, with the same message after `MALFORMED`).
   """
   paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
   sizes = vocab_list(vocab_sizes)

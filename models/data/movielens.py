@@ -2,7 +2,7 @@
 
 Two file formats are read: `ratings.csv` (MovieLens 20M/25M: a header, then
 `userId,movieId,rating,timestamp`) and `u.data` (MovieLens 100K: tab-separated
-`user item rating timestamp`, no header). Malformed rows raise a ValueError
+`user item rating timestamp`, no header). Malformed rows raise a DataError
 naming `path:line`. Every rating counts as one positive interaction (as in the
 NCF paper); ids are remapped to contiguous ranges; the latest interaction of
 each user is held out for testing (leave-one-out), and ranked against sampled
@@ -18,6 +18,8 @@ import os
 
 import numpy as np
 import tensorflow as tf
+
+from models.data.errors import DataError
 
 CSV_HEADER = ("userId", "movieId", "rating", "timestamp")
 
@@ -60,19 +62,24 @@ def _parse(path: str, sep: str, header: tuple[str, ...] | None) -> Ratings:
       line = line.rstrip("\r\n")
       if number == 1 and header is not None:
         if tuple(c.strip() for c in line.split(sep)) != header:
-          raise ValueError(f"{path}:1: expected header {','.join(header)!r}, got {line!r}")
+          raise DataError(f"{path}:1: expected header {','.join(header)!r}, got {line!r}")
         continue
       if not line.strip():
         continue  # blank lines, e.g. at the end
       fields = line.split(sep)
       if len(fields) != 4:
-        raise ValueError(f"{path}:{number}: expected 4 fields separated by "
-                         f"{sep!r}, got {len(fields)}: {line!r}")
+        hint = (" (a header line? u.data has none: remove the first line)"
+                if number == 1 and header is None and not fields[0].strip().isdigit()
+                else "")
+        raise DataError(f"{path}:{number}: expected 4 fields separated by "
+                        f"{sep!r}, got {len(fields)}: {line!r}{hint}")
       try:
         rows.append((int(fields[0]), int(fields[1]), float(fields[2]), int(fields[3])))
       except ValueError:
-        raise ValueError(f"{path}:{number}: expected integer user, item and "
-                         f"timestamp and a numeric rating, got {line!r}") from None
+        hint = (" (a header line? u.data has none: remove the first line)"
+                if number == 1 and header is None else "")
+        raise DataError(f"{path}:{number}: expected integer user, item and "
+                        f"timestamp and a numeric rating, got {line!r}{hint}") from None
   table = np.array(rows, dtype=np.float64).reshape(-1, 4)
   return Ratings(table[:, 0].astype(np.int64), table[:, 1].astype(np.int64),
                  table[:, 2].astype(np.float32), table[:, 3].astype(np.int64))

@@ -19,6 +19,8 @@ import os
 
 import numpy as np
 
+from models.data.errors import DataError
+
 UNK, EOS = "<unk>", "<eos>"
 
 
@@ -27,7 +29,7 @@ def read_lines(path: str) -> list[str]:
 
   Raises:
     FileNotFoundError: `path` does not exist (the message names it).
-    ValueError: a line is not valid UTF-8 or contains a NUL byte
+    DataError: a line is not valid UTF-8 or contains a NUL byte
       ("path:line: ...").
   """
   if not os.path.isfile(path):
@@ -38,9 +40,9 @@ def read_lines(path: str) -> list[str]:
       try:
         line = raw.decode("utf-8")
       except UnicodeDecodeError as e:
-        raise ValueError(f"{path}:{number}: not valid UTF-8 ({e.reason})") from None
+        raise DataError(f"{path}:{number}: not valid UTF-8 ({e.reason})") from None
       if "\0" in line:
-        raise ValueError(f"{path}:{number}: NUL byte in text")
+        raise DataError(f"{path}:{number}: NUL byte in text")
       lines.append(line.rstrip("\r\n"))
   return lines
 
@@ -52,13 +54,13 @@ def read_parallel(source_path: str, target_path: str) -> list[tuple[str, str]]:
 
   Raises:
     FileNotFoundError: a file does not exist.
-    ValueError: the line counts differ (both files and counts are named), or a
+    DataError: the line counts differ (both files and counts are named), or a
       line is blank on one side only ("path:line: ...").
   """
   source, target = read_lines(source_path), read_lines(target_path)
   if len(source) != len(target):
-    raise ValueError(f"parallel files differ in length: {source_path} has {len(source)} "
-                     f"lines, {target_path} has {len(target)}")
+    raise DataError(f"parallel files differ in length: {source_path} has {len(source)} "
+                    f"lines, {target_path} has {len(target)}")
   pairs = []
   for number, (s, t) in enumerate(zip(source, target), start=1):
     s, t = s.strip(), t.strip()
@@ -66,7 +68,7 @@ def read_parallel(source_path: str, target_path: str) -> list[tuple[str, str]]:
       continue
     if not s or not t:
       blank = source_path if not s else target_path
-      raise ValueError(f"{blank}:{number}: blank sentence whose translation is not blank")
+      raise DataError(f"{blank}:{number}: blank sentence whose translation is not blank")
     pairs.append((s, t))
   return pairs
 

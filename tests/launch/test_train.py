@@ -355,6 +355,27 @@ class FlagErrorsTest(tf.test.TestCase):
     with self.assertRaisesRegex(train.FlagError, r"--replicator=cpu: need 3 logical CPU"):
       train.Job(_cfg(model="mlp", num_replicas=3, batch_size=3)).setup()
 
+  def test_data_errors_print_one_line(self):
+    data_dir = self.create_tempdir().full_path
+    with open(os.path.join(data_dir, "u.data"), "w", encoding="utf-8") as f:
+      f.write("1\t2\t3\t4\n1 2 3 4\n")
+    err = io.StringIO()
+    with flagsaver.flagsaver(config="local", model="ncf", data_dir=data_dir), \
+         contextlib.redirect_stderr(err), self.assertRaises(SystemExit):
+      train.main(["train"])
+    self.assertEqual(err.getvalue().splitlines(), [
+        f"launch.train: error: {data_dir}/u.data:2: expected 4 fields separated "
+        "by '\\t', got 1: '1 2 3 4'"])
+
+  def test_data_error_in_reads_the_in_graph_check(self):
+    error = tf.errors.InvalidArgumentError(
+        None, None, "Error in user-defined function: assertion failed: "
+        "[malformed data: /d/train.txt:7: label must be 0 or 1, got `x`]\n\t [[{{node A}}]]")
+    self.assertEqual(train.data_error_in(error),
+                     "/d/train.txt:7: label must be 0 or 1, got `x`")
+    self.assertIsNone(train.data_error_in(tf.errors.InvalidArgumentError(
+        None, None, "StringToNumberOp could not correctly convert string: x")))
+
   def test_every_compression_class_is_known(self):
     for name, cls in train.COMPRESSOR_CLASSES.items():
       self.assertTrue(hasattr(tf_dct.compression, cls), (name, cls))

@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from models.data import criteo
+from models.data import errors
 from tests import util
 
 
@@ -68,6 +69,23 @@ class ReaderTest(tf.test.TestCase):
         criteo._parse_lines(lines, tf.constant([1, 2, 3], tf.int64), path, [10] * 26)  # pylint: disable=protected-access
     with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):  # big-file path
       list(criteo.read_tsv(path, 2, eager_check_bytes=0))
+
+  def test_big_file_reports_a_bad_label_by_its_line(self):
+    # The in-graph check runs before any field is converted, so a label
+    # that is not a number is reported as path:line, not as a failed cast.
+    path = self._write(_row() + _row() + _row(label="x"))
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                r"malformed data: .*day.tsv:3: label must be 0 "
+                                r"or 1, got `x`"):
+      list(criteo.read_tsv(path, 2, eager_check_bytes=0))
+
+  def test_a_header_line_is_named(self):
+    header = "\t".join(["label"] + [f"I{i}" for i in range(1, 14)]
+                       + [f"C{i}" for i in range(1, 27)]) + "\n"
+    with self.assertRaisesRegex(errors.DataError,
+                                r"day.tsv:1: label must be 0 or 1, got `label` "
+                                r"\(a header line\? Criteo TSV files have none"):
+      criteo.read_tsv(self._write(header + _row()), 2)
 
   def test_missing_paths(self):
     missing = os.path.join(self.get_temp_dir(), "nope.tsv")

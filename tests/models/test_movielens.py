@@ -5,6 +5,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from models.data import errors
 from models.data import movielens as ml
 from tests import util
 
@@ -59,6 +60,15 @@ class ReaderTest(tf.test.TestCase):
     for name, text, reader, message in cases:
       with self.assertRaisesRegex(ValueError, message):
         reader(self._write(name, text))
+
+  def test_a_header_line_in_u_data_is_named(self):
+    with self.assertRaisesRegex(errors.DataError,
+                                r"u.data:1: expected 4 fields .* \(a header line\? "
+                                r"u.data has none"):
+      ml.read_u_data(self._write("u.data", "user item rating\n1\t2\t3\t4\n"))
+    with self.assertRaisesRegex(errors.DataError,
+                                r"u.data:1: expected integer user.* \(a header line\?"):
+      ml.read_u_data(self._write("u.data", "user\titem\trating\ttime\n1\t2\t3\t4\n"))
 
   def test_missing_paths(self):
     missing = os.path.join(self.get_temp_dir(), "absent")
