@@ -307,6 +307,38 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     self.assertTrue(compressor.corrects_optimizer(bias))
     self.assertTrue(compressor.corrects_optimizer(kernel))
 
+  def test_a_rejected_step_moves_no_velocity(self):
+    # A NaN in the kernel's gradient on replica 1 rejects the step: neither
+    # the bias (sent whole, finite gradients) nor the kernel on replica 0
+    # (finite there) moves its velocity or any other state.
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8, momentum=0.9)
+    rng = np.random.default_rng(5)
+    bias_g = rng.normal(size=[2, REPLICAS, 8]).astype(np.float32)
+    kernel_g = rng.normal(size=[2, REPLICAS, 8, 4]).astype(np.float32)
+    kernel_g[1, 1, 0, 0] = np.nan
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(REPLICAS)],
+                             input_replication=tf_dct.PER_REPLICA)
+    compressor.bind(repl)
+    with repl.scope():
+      bias = tf.Variable(tf.zeros([8]), name="bias")
+      kernel = tf.Variable(tf.zeros([8, 4]), name="kernel")
+
+    def input_fn(replica_id):
+      return tf.data.Dataset.from_tensor_slices(
+          (bias_g[:, replica_id], kernel_g[:, replica_id]))
+
+    def step_fn(g):
+      return [a for a, _ in compressor.aggregate([(g[0], bias), (g[1], kernel)])]
+
+    repl.run(step_fn, input_fn)
+    self.assertTrue(compressor.sends_whole(bias))
+    before = {v.name: compressor.state_values(v) for v in (bias, kernel)}
+    with self.assertRaises(tf.errors.InvalidArgumentError):
+      repl.run(step_fn, input_fn)
+    for v in (bias, kernel):
+      for key, value in compressor.state_values(v).items():
+        self.assertAllEqual(value, before[v.name][key], msg=f"{v.name} {key}")
+
   def test_compress_always_compresses(self):
     compressor = compression.DCTDP(sparsity=0.99, min_count=8,
                                    dense_gradients="compress")

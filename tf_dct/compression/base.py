@@ -794,14 +794,18 @@ class Compressor(tf.Module):
       pending.append((st, u, old_residual))
     return out, pending
 
-  def _mask_velocities(self, pending) -> None:
+  def _mask_velocities(self, pending, results) -> None:
     """Writes each corrected variable's velocity after `reduce` wrote its
-    residual (program order: the residual reads below see the new value)."""
+    residual (program order: the residual reads below see the new value),
+    and only once the step's collectives (`results`) completed: a step that
+    any replica rejects moves no velocity."""
+    done = error_feedback.gate([r for r in results if r is not None])
     for st, u, old_residual in pending:
       if self.momentum_masking:                    # momentum factor masking
         u = momentum_correction.masked(u, old_residual,
                                        st["residual"].local().read_value())
-      st["velocity"].local().assign(u)
+      with tf.control_dependencies(done):
+        st["velocity"].local().assign(u)
 
   def _adam_before(self, ctx, grads, variables, states):
     """Adam correction before `reduce`: one all-reduce of the side channel
@@ -975,7 +979,7 @@ class Compressor(tf.Module):
       out_kept = (self._reduce_kept(ctx, kept_grads, kept_vars, kept_states,
                                     [True] * len(kept) if dense_phase else whole)
                   if kept else [])
-      self._mask_velocities(pending)
+      self._mask_velocities(pending, out_kept)
       out_kept = self._adam_after(out_kept, kept_vars, kept_states, adam_pending)
       if undo:
         out_kept = self._undo_if_non_finite(ctx, undo, out_kept)
