@@ -1,6 +1,8 @@
 """Tests for tf_dct.factory: kinds, the CPU split and argument errors."""
 
 import os
+import subprocess
+import sys
 from unittest import mock
 
 import tensorflow as tf
@@ -48,6 +50,18 @@ class CreateReplicatorTest(tf.test.TestCase):
       tf_dct.create_replicator("multi_worker", num_replicas=2)
     with self.assertRaisesRegex(ValueError, "kind='async' supports num_devices_per_replica=1 only"):
       tf_dct.create_replicator("async", num_devices_per_replica=2)
+
+  def test_cpu_advice_after_no_gpu_works_in_the_same_process(self):
+    # A fresh process: this one's devices were split in setUpModule.
+    code = ("import tf_dct\n"
+            "try:\n  tf_dct.create_replicator('gpu')\n"
+            "except RuntimeError as e:\n  print(e)\n"
+            "print('replicas', tf_dct.create_replicator('cpu', num_replicas=2).num_replicas)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=True,
+                         timeout=300).stdout
+    self.assertIn("use kind='cpu'", out)
+    self.assertIn("replicas 2", out)
 
   def test_async_kind_checks_tf_config_first(self):
     with mock.patch.dict("os.environ"):

@@ -71,9 +71,12 @@ def create_replicator(kind: str = "auto", num_replicas: int | None = None,
     n = (num_replicas or 1) * num_devices_per_replica
     return Replicator(split_cpu(n), num_devices_per_replica, **kwargs)
   if kind == "gpu":
+    # Physical devices first: listing them leaves TensorFlow uninitialized, so
+    # the advice below (kind='cpu', which splits the CPU) still works.
+    if not tf.config.list_physical_devices("GPU"):
+      raise RuntimeError("kind='gpu' but TensorFlow sees no GPU; use kind='cpu' "
+                         "(in this process too: nothing was initialized)")
     gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
-    if not gpus:
-      raise RuntimeError("kind='gpu' but TensorFlow sees no GPU; use kind='cpu'")
     n = (num_replicas or len(gpus) // num_devices_per_replica) * num_devices_per_replica
     if n == 0 or n > len(gpus):
       raise ValueError(f"num_replicas={num_replicas} x num_devices_per_replica="
