@@ -16,6 +16,7 @@ line always wins.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -296,6 +297,10 @@ def validate(cfg: dict) -> None:
     _in_range(cfg, "density", 0, 1, True, False)
   if comp == "threshold":
     _in_range(cfg, "threshold", 0, None, False, True)
+  model_dir = cfg["model_dir"]
+  if model_dir and tf.io.gfile.exists(model_dir) and not tf.io.gfile.isdir(model_dir):
+    raise FlagError(f"--model_dir {model_dir!r} is a file; give a directory (created "
+                    "if missing)")
   try:
     registry.check_data_dir(spec, cfg["data_dir"])
   except ValueError as e:
@@ -350,13 +355,8 @@ def make_compressor(cfg: dict):
       # optimizer's momentum.
       common["momentum"] = MOMENTUM if cfg.get("momentum_correction", True) else 0.0
     if cfg["optimizer"] in ("adam", "adamw"):
-      # Given: on (None: the compressor takes Adam's hyper-parameters from the
-      # optimizer) or off; not given: the compressor's default (on for dct,
-      # off for deft and topk).
-      if not cfg.get("adam_correction", True):
-        common["adam"] = False
-      elif "adam_correction" in cfg.get("explicit", ()):
-        common["adam"] = None
+      # None: the compressor takes Adam's hyper-parameters from the optimizer.
+      common["adam"] = None if adam_correction(cfg) else False
   if comp == "dct":
     return cls(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"],
                sparsity_schedule=cfg.get("sparsity_schedule") or (), **common)
@@ -381,6 +381,103 @@ def make_optimizer(cfg: dict):
   if name == "adagrad":
     return tf_keras.optimizers.Adagrad(lr)
   raise FlagError(f"--optimizer: unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
+
+
+def adam_correction(cfg: dict) -> bool:
+  """Whether the compressor runs Adam itself: --adam_correction if given, else
+  the compressors' default (on for dct, off for deft and topk)."""
+  if cfg["optimizer"] not in ("adam", "adamw") or cfg["compression"] not in SPARSIFIERS:
+    return False
+  if "adam_correction" in cfg.get("explicit", ()):
+    return bool(cfg["adam_correction"])
+  return cfg["compression"] == "dct"
+
+
+# --- the settings a checkpoint was made with ------------------------------------
+
+SETTINGS_FILE = "settings.json"
+# The settings that shape what a checkpoint holds, each with the function of
+# its value that must not change on resume (None: the value itself).
+STATE_SETTINGS = {
+    "model": None, "config": None,  # the variables and their sizes
+    "data_dir": bool,  # real or synthetic data: table sizes follow the data
+    "mp_splits": None,  # DCT-MP split layers and their counters
+    # One copy of the compressor state per replica; multi_worker keeps one
+    # directory per worker.
+    "replicator": lambda kind: kind if kind in ("multi_worker", "tpu") else "cpu/gpu",
+    "num_replicas": None, "workers": None,
+    "optimizer": None,  # its slots
+    # Which variables keep compressor state, and what state.
+    "compression": None, "min_size": None, "compression_exclude": None,
+    "momentum_correction": None, "adam_correction": None,
+    # The accounting keeps totals per phase (dense warm-up, schedule stages).
+    "warmup_steps": lambda n: n > 0, "sparsity_schedule": len,
+}
+
+
+def state_settings(cfg: dict) -> dict:
+  """The `STATE_SETTINGS` of `cfg`, as written to `SETTINGS_FILE`."""
+  out = {name: cfg.get(name) for name in STATE_SETTINGS}
+  out.update(
+      mp_splits=",".join(cfg["splits"]),
+      compression_exclude=list(cfg.get("compression_exclude") or ()),
+      sparsity_schedule=[f"{n}:{x}" for n, x in cfg.get("sparsity_schedule") or ()],
+      momentum_correction=bool(cfg.get("momentum_correction", True)),
+      adam_correction=adam_correction(cfg), workers=None)
+  if cfg["replicator"] == "multi_worker":
+    try:
+      cluster = (tf_dct.multi_worker.validate_tf_config() or {}).get("cluster", {})
+      out["workers"] = len(cluster.get("chief", ())) + len(cluster.get("worker", ()))
+    except ValueError:
+      pass  # creating the replicator reports it
+  return out
+
+
+def check_settings(cfg: dict) -> None:
+  """Raises FlagError if --model_dir holds a run whose `STATE_SETTINGS`
+  differ from `cfg`'s, naming each (old -> new); reads `SETTINGS_FILE`.
+
+  A restart with such a change would restore a checkpoint into differently
+  shaped state (TensorFlow's errors, or state silently left fresh). Every
+  other flag leaves the state as it is and may change: --steps, --log_every,
+  --eval_every, --loop, --batch_size, --seed, --learning_rate, the
+  compressors' rates and thresholds (--sparsity, --density, --threshold,
+  --threshold_life, --min_count), --sparse_gradients, --dense_gradients,
+  --mp_sparsity, --num_devices_per_replica, --tpu and the --data_dir path.
+  """
+  path = os.path.join(cfg["model_dir"], SETTINGS_FILE) if cfg["model_dir"] else ""
+  if not path or not tf.io.gfile.exists(path):
+    return
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      saved = json.load(f)
+  except ValueError:  # not JSON
+    saved = None
+  if not isinstance(saved, dict):
+    raise FlagError(f"--model_dir: {path} is not a JSON object of settings; restore it "
+                    "or use a new --model_dir")
+  current = state_settings(cfg)
+  show = lambda v: ",".join(map(str, v)) if isinstance(v, list) else v
+  differ = []
+  for name, key in STATE_SETTINGS.items():
+    key = key or (lambda v: v)
+    if name in saved and key(saved[name]) != key(current[name]):
+      flag = "workers in TF_CONFIG" if name == "workers" else f"--{name}"
+      differ.append(f"{flag} {show(saved[name])!r} -> {show(current[name])!r}")
+  if differ:
+    raise FlagError(f"--model_dir {cfg['model_dir']} holds a run with other settings "
+                    f"({', '.join(differ)}); resume it with the same flags, or use a new "
+                    "--model_dir")
+
+
+def write_settings(cfg: dict) -> None:
+  """Records `cfg`'s `STATE_SETTINGS` in --model_dir, once."""
+  path = os.path.join(cfg["model_dir"], SETTINGS_FILE)
+  if tf.io.gfile.exists(path):
+    return
+  with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+    json.dump(state_settings(cfg), f, indent=1, sort_keys=True)
+  tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
 
 
 # --- model parallelism -----------------------------------------------------------
@@ -527,6 +624,7 @@ class Job:
 
   def setup(self) -> "Job":
     cfg, spec = self.cfg, self.spec
+    check_settings(cfg)
     self.repl = repl = self._create_replicator()
     if cfg["batch_size"] % repl.num_replicas:
       raise FlagError(f"--batch_size ({cfg['batch_size']}) must be divisible by the "
@@ -721,6 +819,8 @@ class Job:
   def _checkpoint_and_evaluate(self) -> None:
     if self.manager:
       self.manager.save(checkpoint_number=int(self.step.numpy()))
+      if getattr(self.repl, "is_chief", True):
+        write_settings(self.cfg)
     self._evaluate()
 
   def _log(self, step: int, loss: float) -> None:

@@ -1,5 +1,7 @@
 """Tests for tf_dct.primitives on 4 replicas, each against a numpy reference."""
 
+import re
+
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
@@ -126,6 +128,43 @@ class PrimitivesTest(tf.test.TestCase, parameterized.TestCase):
       self._run(lambda v: self.repl.map_gather(None, v))
     with self.assertRaisesRegex(TypeError, "fn must be callable"):
       self._run(lambda v: self.repl.map_reduce(3, v))
+
+  def test_replicas_that_disagree(self):
+    # Checked while tracing, so no collective runs: the replicator stays usable.
+    r = lambda: self.repl.local_replica_index()
+    rows = lambda: tf.zeros([r() + 1, 2])
+    every = lambda f: ", ".join(f"replica {i}: {f(i)}" for i in range(N))
+    shapes = re.escape(every(lambda i: f"float32[{i + 1}, 2]"))
+    with self.assertRaisesRegex(ValueError, r"all_sum\(\): x must have the same "
+                                r"dtype and shape on every replica; got " + shapes):
+      self._run(lambda v: self.repl.all_sum(rows()))
+    with self.assertRaisesRegex(ValueError, r"broadcast\(\): x\['b'\]\[0\] must have "
+                                r"the same dtype and shape on every replica; got "
+                                r"replica 0: int32\[3\], replica 1: int64\[3\]"):
+      self._run(lambda v: self.repl.broadcast(
+          {"a": v["a"], "b": (tf.cast(v["b"][0], tf.int64) if r() % 2 else v["b"][0],)}))
+    with self.assertRaisesRegex(ValueError, r"map_reduce\(\): fn\(x\) must have the "
+                                r"same nested structure on every replica; got replica 0: "
+                                r"\{'a': float32\[2, 3\]\}, replica 1: \{'c': float32\[2, 3\]\}"):
+      self._run(lambda v: self.repl.map_reduce(lambda x: {"ac"[r() % 2]: x["a"]}, v, "max"))
+    with self.assertRaisesRegex(ValueError, r"map_gather\(\): fn\(x\) must have the same "
+                                r"nested structure on every replica; got replica 0: "
+                                r"\(float32\[2, 3\],\), replica 1: \(float32\[2, 3\], "
+                                r"float32\[2, 3\]\)"):
+      self._run(lambda v: self.repl.map_gather(lambda x: (x["a"],) * (1 + r() % 2), v))
+    # all_gather: the sizes along `axis` may differ, not the other dimensions.
+    with self.assertRaisesRegex(ValueError, r"all_gather\(\): x must have the same dtype "
+                                r"and shape \(except along axis -1\) on every replica; got "
+                                + shapes):
+      self._run(lambda v: self.repl.all_gather(rows(), axis=-1))
+    with self.assertRaisesRegex(ValueError, r"all_reduce\(\): x must have the same dtype"):
+      self._run(lambda v: self.repl.all_reduce(tf.zeros([2], "float64" if r() else "float32")))
+    # Dimensions unknown when traced are not compared; after the errors above
+    # the collectives still work.
+    def unknown_rows(v):  # replica r: 3r + 1 rows, unknown when traced
+      n = tf.cast(-v["a"][0, 0], tf.int32) + 1
+      return self.repl.all_sum(tf.fill(tf.stack([n, 2]), 1.0)[:1])
+    self._all_equal(self._run(unknown_rows), np.full([1, 2], float(N)))
 
 
 class XlaTest(tf.test.TestCase):

@@ -137,6 +137,8 @@ def in_xla_context() -> bool:
   uses `control_flow_util.GraphOrParentsInXlaContext`.
   """
   from tensorflow.python.framework import ops  # pylint: disable=g-import-not-at-top
+  assert flat_paths({"b": (1, 2), "a": [3]}) == [("a", 0), ("b", 0), ("b", 1)], (
+      "tf.__internal__.nest.yield_flat_paths no longer follows tf.nest.flatten")
   from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
   return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
@@ -156,6 +158,12 @@ def static_replica_id(ctx: tf.distribute.ReplicaContext) -> int | None:
     value = tf.get_static_value(value)
     return None if value is None else int(value)
   return int(value)
+
+
+def flat_paths(structure) -> list[tuple]:
+  """The path (keys and indices) of each leaf of `structure`, in the order
+  of `tf.nest.flatten`; uses `tf.__internal__.nest.yield_flat_paths`."""
+  return list(tf.__internal__.nest.yield_flat_paths(structure))
 
 
 def run_independently(op: tf.Operation) -> None:

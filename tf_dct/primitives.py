@@ -20,6 +20,19 @@ Semantics, for replicas r = 0..n-1 holding values x_r:
 * `map_gather(fn, x)`: stack([fn(x_0), ..., fn(x_{n-1})], axis=0): each
   replica applies `fn`, then the results are stacked along a new leading axis
   in replica order (so every fn(x_r) must have the same shape).
+
+Every replica must pass the same nested structure, dtypes and shapes (for
+`all_gather`, sizes along `axis` may differ; for `map_reduce` and
+`map_gather` this applies to fn's outputs). Where the replicas of this
+process trace their own copy of the step (Replicator, MultiWorkerReplicator),
+each primitive compares what it was given on them while the step is traced,
+before any collective runs, and raises a ValueError naming the primitive,
+the argument and every replica's dtype and shape. Dimensions unknown when
+traced (None), replicas of other worker processes, XLA-compiled steps and
+TPU replicas (one program for all cores) are not compared. A mismatch there
+fails in TensorFlow's collective when the step runs, and leaves every later
+collective of the process failing: fix the input, then restart the process
+(every worker of a multi-worker job, from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import tensorflow as tf
+
+from tf_dct import _private
 
 _OPS = {
     "sum": tf.distribute.ReduceOp.SUM,
@@ -61,6 +76,84 @@ def _normalize_op(op) -> Any:
       f"op must be one of {sorted(_OPS)} or a tf.distribute.ReduceOp, got {op!r}")
 
 
+class _Leaf:
+  """One value's static dtype and shape, printed as e.g. float32[2, 3]."""
+
+  def __init__(self, value):
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+      value = tf.convert_to_tensor(value)
+    self.dtype = tf.as_dtype(value.dtype)
+    self.shape = tf.TensorShape(value.shape)
+
+  def __repr__(self):
+    shape = "[unknown rank]" if self.shape.rank is None else self.shape.as_list()
+    return f"{self.dtype.name}{shape}"
+
+
+class _Signature:
+  """One replica's input to a primitive, as a structure of `_Leaf`s.
+
+  merge_call hands it over whole (it regroups lists, tuples and dicts).
+  """
+
+  def __init__(self, x):
+    self.structure = tf.nest.map_structure(_Leaf, x)
+
+
+def _leaves_agree(leaves, gather_axis) -> bool:
+  """Same dtype, and compatible shapes apart from `gather_axis`."""
+  if len({leaf.dtype for leaf in leaves}) > 1:
+    return False
+  merged = tf.TensorShape(None)
+  for leaf in leaves:
+    shape = leaf.shape
+    if gather_axis is not None and shape.rank:
+      a = gather_axis % shape.rank
+      shape = shape[:a].concatenate([None]).concatenate(shape[a + 1:])
+    if not merged.is_compatible_with(shape):
+      return False
+    merged = merged.merge_with(shape)
+  return True
+
+
+def _check_replicas_agree(ctx, caller: str, arg: str, x, gather_axis=None):
+  """Raises ValueError unless `x` has the same structure, dtypes and static
+  shapes on every replica of this process (sizes along `gather_axis` aside).
+
+  Only Mirrored strategies trace one copy of the step per local replica;
+  there one merge_call compares them while tracing (their collectives merge
+  too, so this adds no new constraint). Elsewhere it does nothing.
+  """
+  strategy = ctx.strategy
+  if (not isinstance(strategy, (tf.distribute.MirroredStrategy,
+                                tf.distribute.MultiWorkerMirroredStrategy))
+      or len(strategy.extended.worker_devices) < 2
+      or _private.in_xla_context()):
+    return
+
+  @tf.autograph.experimental.do_not_convert  # plain Python, run while tracing
+  def compare(strategy, signature):
+    structures = [s.structure
+                  for s in strategy.experimental_local_results(signature)]
+    first = _private.first_local_replica_id(strategy)
+
+    def fail(what, name, values):
+      got = ", ".join(f"replica {first + i}: {v!r}" for i, v in enumerate(values))
+      raise ValueError(f"{caller}(): {name} must have the same {what} on every "
+                       f"replica; got {got}")
+
+    paths = [_private.flat_paths(s) for s in structures]
+    if any(p != paths[0] for p in paths):
+      fail("nested structure", arg, structures)
+    what = "dtype and shape" + (
+        "" if gather_axis is None else f" (except along axis {gather_axis})")
+    for path, leaves in zip(paths[0], zip(*map(tf.nest.flatten, structures))):
+      if not _leaves_agree(leaves, gather_axis):
+        fail(what, arg + "".join(f"[{k!r}]" for k in path), leaves)
+
+  ctx.merge_call(compare, args=(_Signature(x),))
+
+
 def _batched_all_reduce(ctx, op, x):
   """`ctx.all_reduce` of a nest, one batch for int32 and one for the rest.
 
@@ -92,6 +185,11 @@ def all_reduce(x, op="sum", *, strategy=None):
   """Reduces `x` across replicas with `op` (sum | mean | max | min)."""
   op = _normalize_op(op)
   ctx = replica_context("all_reduce", strategy)
+  _check_replicas_agree(ctx, "all_reduce", "x", x)
+  return _reduce(ctx, x, op)
+
+
+def _reduce(ctx, x, op):
   if op == "max":
     return _gather_reduce(ctx, x, tf.reduce_max)
   if op == "min":
@@ -102,6 +200,7 @@ def all_reduce(x, op="sum", *, strategy=None):
 def all_sum(x, *, strategy=None):
   """Sums `x` across replicas."""
   ctx = replica_context("all_sum", strategy)
+  _check_replicas_agree(ctx, "all_sum", "x", x)
   return _batched_all_reduce(ctx, tf.distribute.ReduceOp.SUM, x)
 
 
@@ -120,6 +219,7 @@ def all_gather(x, axis: int = 0, *, strategy=None):
     return t, axis % max(rank, 1)
 
   checked = [one(t) for t in tf.nest.flatten(x)]
+  _check_replicas_agree(ctx, "all_gather", "x", x, gather_axis=axis)
   if axis >= 0:  # one batched collective for the whole structure
     return ctx.all_gather(x, axis=axis)
   # TF's collective gather takes only non-negative axes.
@@ -135,6 +235,7 @@ def broadcast(x, source_replica: int = 0, *, strategy=None):
       or not 0 <= source_replica < n):
     raise ValueError(
         f"source_replica must be an int in [0, {n}), got {source_replica!r}")
+  _check_replicas_agree(ctx, "broadcast", "x", x)
   is_source = tf.equal(ctx.replica_id_in_sync_group, source_replica)
 
   def mask(t):
@@ -154,9 +255,11 @@ def map_reduce(fn: Callable, x, op="sum", *, strategy=None):
   """Applies `fn` to each replica's `x`, then reduces the results with `op`."""
   if not callable(fn):
     raise TypeError(f"fn must be callable, got {fn!r}")
-  _normalize_op(op)
-  replica_context("map_reduce", strategy)
-  return all_reduce(fn(x), op, strategy=strategy)
+  op = _normalize_op(op)
+  ctx = replica_context("map_reduce", strategy)
+  y = fn(x)
+  _check_replicas_agree(ctx, "map_reduce", "fn(x)", y)
+  return _reduce(ctx, y, op)
 
 
 def map_gather(fn: Callable, x, *, strategy=None):
@@ -165,5 +268,6 @@ def map_gather(fn: Callable, x, *, strategy=None):
     raise TypeError(f"fn must be callable, got {fn!r}")
   ctx = replica_context("map_gather", strategy)
   y = fn(x)
+  _check_replicas_agree(ctx, "map_gather", "fn(x)", y)
   return ctx.all_gather(
       tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), y), axis=0)

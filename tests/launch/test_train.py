@@ -8,6 +8,7 @@ every run does double duty: each model runs once, each with a different
 import contextlib
 import io
 import os
+import re
 import subprocess
 
 from absl import flags
@@ -50,9 +51,24 @@ class TrainTest(tf.test.TestCase):
     first = train.train(_cfg(**cfg))
     self.assertEqual(first["steps"], 40)
     self.assertLess(first["final_loss"], 0.6 * first["first_loss"])
-    resumed = train.train(_cfg(**dict(cfg, steps=60)))
+    # Settings that leave the checkpointed state as it is may change.
+    resumed = train.train(_cfg(**dict(cfg, steps=60, log_every=10, batch_size=64,
+                                      learning_rate=0.05)))
     self.assertEqual(resumed["steps"], 60)  # 20 more steps, not 60 from scratch
     self.assertLess(resumed["first_loss"], first["first_loss"])
+    # Others are refused before anything is built, each named (old -> new).
+    with self.assertRaisesRegex(train.FlagError, (
+        rf"^--model_dir {re.escape(model_dir)} holds a run with other settings "
+        r"\(--num_replicas 4 -> 2, --optimizer 'sgd' -> 'adam', --compression 'none' -> "
+        r"'dct', --compression_exclude '' -> 'bias', --adam_correction False -> True\); "
+        r"resume it with the same flags, or use a new --model_dir$")):
+      train.Job(_cfg(**dict(cfg, num_replicas=2, optimizer="adam", compression="dct",
+                            compression_exclude=["bias"]))).setup()
+    settings = os.path.join(model_dir, "settings.json")
+    with open(settings, "w", encoding="utf-8") as f:
+      f.write("{")
+    with self.assertRaisesRegex(train.FlagError, "settings.json is not a JSON object"):
+      train.Job(_cfg(**cfg)).setup()
 
   def test_bad_flags(self):
     with self.assertRaisesRegex(flags.IllegalFlagValueError, "model"):
@@ -355,17 +371,25 @@ class FlagErrorsTest(tf.test.TestCase):
     with self.assertRaisesRegex(train.FlagError, r"--replicator=cpu: need 3 logical CPU"):
       train.Job(_cfg(model="mlp", num_replicas=3, batch_size=3)).setup()
 
-  def test_data_errors_print_one_line(self):
+  def _printed_error(self, **overrides):
+    """What `main` prints to stderr for flags that must fail."""
+    err = io.StringIO()
+    with flagsaver.flagsaver(config="local", **overrides), \
+         contextlib.redirect_stderr(err), self.assertRaises(SystemExit):
+      train.main(["train"])
+    return err.getvalue().splitlines()
+
+  def test_data_and_model_dir_errors_print_one_line(self):
     data_dir = self.create_tempdir().full_path
     with open(os.path.join(data_dir, "u.data"), "w", encoding="utf-8") as f:
       f.write("1\t2\t3\t4\n1 2 3 4\n")
-    err = io.StringIO()
-    with flagsaver.flagsaver(config="local", model="ncf", data_dir=data_dir), \
-         contextlib.redirect_stderr(err), self.assertRaises(SystemExit):
-      train.main(["train"])
-    self.assertEqual(err.getvalue().splitlines(), [
+    self.assertEqual(self._printed_error(model="ncf", data_dir=data_dir), [
         f"launch.train: error: {data_dir}/u.data:2: expected 4 fields separated "
         "by '\\t', got 1: '1 2 3 4'"])
+    path = self.create_tempfile().full_path
+    self.assertEqual(self._printed_error(model="mlp", model_dir=path), [
+        f"launch.train: error: --model_dir {path!r} is a file; give a directory "
+        "(created if missing)"])
 
   def test_data_error_in_reads_the_in_graph_check(self):
     error = tf.errors.InvalidArgumentError(
