@@ -276,13 +276,20 @@ def run_workers(script, num_workers: int = 2, args: Sequence[str] = (),
       results = _run_once(script, num_workers, args, env,
                           deadline - time.monotonic(), result_dir,
                           fail_fast_grace, python, host, monitor)
-      if attempt == port_retries or not any(
-          PORT_IN_USE in r.stderr for r in results if not r.ok):
+      if attempt == port_retries or not port_clash(
+          r for r in results if not r.ok):
         return results
   raise AssertionError("unreachable")
 
 
-PORT_IN_USE = "Could not start gRPC server"
+# What a task whose port another process took says (TF's gRPC server, or
+# MultiWorkerReplicator's check before it starts one).
+PORT_IN_USE = ("Could not start gRPC server", "is already in use by another process")
+
+
+def port_clash(results) -> bool:
+  """Whether one of `results` failed because its port was taken."""
+  return any(text in r.stderr for r in results for text in PORT_IN_USE)
 
 
 
@@ -473,7 +480,7 @@ def run_cluster(chief_script, num_workers: int = 2, num_ps: int = 1,
                                  deadline - time.monotonic(), result_dir,
                                  monitor, python, host)
       tasks = [result.chief, *result.servers]
-      if attempt == port_retries or not any(PORT_IN_USE in r.stderr for r in tasks):
+      if attempt == port_retries or not port_clash(tasks):
         return result
   raise AssertionError("unreachable")
 

@@ -442,6 +442,14 @@ class TfConfigValidationTest(tf.test.TestCase):
     self.assertTfConfigError(
         self.config(cluster={"worker": [1234]}), '["worker"]', "host:port")
 
+  def test_duplicate_addresses(self):
+    self.assertTfConfigError(
+        self.config(cluster={"worker": ["localhost:1", "localhost:1"]}),
+        '"localhost:1" twice (worker 0 and worker 1)', "an address of its own")
+    self.assertTfConfigError(
+        self.config(cluster={"chief": ["h:1"], "worker": ["h:2", "h:1"]}),
+        '"h:1" twice (chief 0 and worker 1)')
+
   def test_missing_task(self):
     raw = json.dumps({"cluster": self.CLUSTER})
     self.assertTfConfigError(raw, '"task"')

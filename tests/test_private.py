@@ -1,6 +1,7 @@
 """Fails loudly when a private TF / Keras API that tf_dct pins has drifted."""
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 import tf_dct
 from tf_dct import _private
@@ -78,6 +79,30 @@ class PrivateApiTest(tf.test.TestCase):
       return x
 
     dynamic(tf.constant(1))
+
+  def test_bounded_coordination_service_is_configured_as_tf_would_and_bounded(self):
+    ctx = context.context()
+    saved = ctx._coordination_service_config  # pylint: disable=protected-access
+    spec = tf.train.ClusterSpec({"chief": ["h:0"], "worker": ["h:1", "h:2"]})
+    try:
+      ctx._coordination_service_config = None  # pylint: disable=protected-access
+      self.assertIsNone(_private.configure_bounded_coordination_service(
+          spec, "evaluator", 2.5))   # TF coordinates chief and workers only
+      self.assertFalse(_private.coordination_service_configured())
+      leader = _private.configure_bounded_coordination_service(spec, "worker", 2.5)
+      self.assertEqual(leader, "/job:chief/replica:0/task:0")
+      config = ctx.coordination_service
+      self.assertEqual(config.service_type, "standalone")
+      self.assertEqual(config.service_leader, leader)
+      self.assertEqual([(j.name, j.num_tasks) for j in config.coordinated_job_list],
+                       [("chief", 1), ("worker", 2)])
+      self.assertEqual(config.cluster_register_timeout_in_ms, 2500)
+      self.assertTrue(config.cluster_register_with_barrier)
+      # Configured once per process, like TF's own strategy does.
+      self.assertIsNone(_private.configure_bounded_coordination_service(spec, "worker", 1))
+      self.assertEqual(ctx.coordination_service.cluster_register_timeout_in_ms, 2500)
+    finally:
+      ctx._coordination_service_config = saved  # pylint: disable=protected-access
 
   def test_run_independently_takes_a_stateful_op_out_of_program_order(self):
     stamps = {}

@@ -123,10 +123,56 @@ def coordination_key_value_store():
   None when no service runs (one process).
   """
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-  ctx = context.context()
-  if ctx.coordination_service is None:
+  if not coordination_service_configured():
     return None
+  ctx = context.context()
   return ctx.set_config_key_value, ctx.get_config_key_value
+
+
+def coordination_service_configured() -> bool:
+  """Whether this process has configured TF's coordination service.
+
+  A multi-worker strategy configures it (once per process) right before it
+  starts this task's gRPC server, through the eager context's
+  `coordination_service` config.
+  """
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  return context.context().coordination_service is not None
+
+
+def configure_bounded_coordination_service(cluster_spec, task_type: str,
+                                           register_timeout_seconds: float
+                                          ) -> str | None:
+  """Configures the coordination service with a bounded registration.
+
+  `CollectiveAllReduceExtended._initialize_multi_worker` configures the
+  service itself (its leader, the "chief" and "worker" jobs) only when none
+  is configured yet; this configures it the same way first, adding
+  `cluster_register_timeout_in_ms` and `cluster_register_with_barrier`:
+  every task's registration (and so the strategy's start-up) then waits
+  for all tasks at most `register_timeout_seconds`, and fails with a
+  `DeadlineExceededError` instead of waiting for ever. Returns the service
+  leader's task name (e.g. "/job:worker/replica:0/task:0"), or None (and
+  configures nothing) when TF would not configure the service here.
+  """
+  from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.distribute import multi_worker_util  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  coordinated_jobs = ("chief", "worker")
+  cluster_spec = multi_worker_util.normalize_cluster_spec(cluster_spec)
+  if coordination_service_configured() or task_type not in coordinated_jobs:
+    return None
+  leader = multi_worker_util.coordination_leader(cluster_spec)
+  ctx = context.context()
+  ctx.configure_coordination_service(
+      service_type="standalone", service_leader=leader,
+      coordinated_jobs=[
+          coordination_config_pb2.CoordinatedJob(
+              name=job, num_tasks=cluster_spec.num_tasks(job))
+          for job in coordinated_jobs if job in cluster_spec.jobs],
+      cluster_register_timeout_in_ms=max(1, int(register_timeout_seconds * 1000)))
+  ctx.coordination_service.cluster_register_with_barrier = True
+  return leader
 
 
 def in_xla_context() -> bool:
@@ -242,6 +288,20 @@ def check() -> None:
         f"eager Context.{name} signature changed")
   assert hasattr(context.Context, "coordination_service"), (
       "eager Context.coordination_service is gone")
+  params = inspect.signature(context.Context.configure_coordination_service).parameters
+  assert {"service_type", "service_leader", "coordinated_jobs",
+          "cluster_register_timeout_in_ms"} <= set(params), (
+              "eager Context.configure_coordination_service signature changed")
+  src = inspect.getsource(cars.CollectiveAllReduceExtended._initialize_multi_worker)
+  assert ("if context.context().coordination_service is None:" in src
+          and 'coordinated_jobs = ["chief", "worker"]' in src
+          and "multi_worker_util.coordination_leader(" in src), (
+              "MultiWorkerMirroredStrategy no longer configures the coordination "
+              "service only when none is configured, for chief and worker")
+  from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # pylint: disable=g-import-not-at-top
+  fields = coordination_config_pb2.CoordinationServiceConfig.DESCRIPTOR.fields_by_name
+  assert {"cluster_register_timeout_in_ms", "cluster_register_with_barrier"} <= set(fields), (
+      "CoordinationServiceConfig lost its cluster registration fields")
   from tensorflow.python.distribute import distribute_lib  # pylint: disable=g-import-not-at-top
   src = inspect.getsource(distribute_lib.ReplicaContext.replica_id_in_sync_group.fget)
   assert "self._replica_id_in_sync_group" in src, (

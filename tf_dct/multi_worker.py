@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import numbers
 import os
+import re
+import socket
 
 import tensorflow as tf
 
 from tf_dct import _private
+from tf_dct import validation
 from tf_dct.replicator import PER_WORKER, ReplicatorMixin, check_positive_int
 
 
@@ -32,11 +37,18 @@ def validate_tf_config(raw: str | None = None) -> dict | None:
   cluster = config["cluster"]
   if not cluster.get("worker") and not cluster.get("chief"):
     raise ValueError('TF_CONFIG["cluster"] must list "worker" (or "chief") addresses')
+  seen = {}
   for job, addresses in cluster.items():
     if (not isinstance(addresses, list) or
         not all(isinstance(a, str) and ":" in a for a in addresses)):
       raise ValueError(f'TF_CONFIG["cluster"]["{job}"] must be a list of '
                        f'"host:port" strings, got {addresses!r}')
+    for i, address in enumerate(addresses):
+      if address in seen:
+        raise ValueError(
+            f'TF_CONFIG["cluster"] lists "{address}" twice ({seen[address]} '
+            f"and {job} {i}); every task needs an address of its own")
+      seen[address] = f"{job} {i}"
   task = config.get("task")
   if not isinstance(task, dict):
     raise ValueError('TF_CONFIG must have a "task" object with "type" and "index"')
@@ -56,33 +68,177 @@ def validate_tf_config(raw: str | None = None) -> dict | None:
 # Errors a collective raises when a peer died, stalled or was unreachable.
 _PEER_ERRORS = (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
                 tf.errors.AbortedError, tf.errors.CancelledError)
+# How gRPC words a lost connection (the peer's process is gone).
+_CONNECTION_TEXT = ("connection reset", "connection refused", "socket closed",
+                    "failed to connect", "connection closed", "broken pipe")
+
+
+def peer_failure_reason(error: BaseException) -> str | None:
+  """Why a collective failed, if `error` is how it reports a lost peer.
+
+  Returns:
+    "timeout" (a deadline passed: `DeadlineExceededError`, or a message
+    saying it timed out), "connection" (`UnavailableError`, or a connection
+    reset, refused or closed: the peer probably died), "aborted" (aborted or
+    cancelled, e.g. by TF's health check or after an earlier collective
+    failed), or None when `error` is not a peer failure.
+  """
+  if not isinstance(error, tf.errors.OpError):
+    return None
+  text = str(error).lower()
+  if not (isinstance(error, _PEER_ERRORS) or "collective ops is aborted" in text
+          or "timed out" in text):
+    return None
+  if isinstance(error, tf.errors.DeadlineExceededError):
+    return "timeout"
+  if (isinstance(error, tf.errors.UnavailableError) or
+      any(t in text for t in _CONNECTION_TEXT)):
+    return "connection"
+  if "timed out" in text or "deadline exceeded" in text:
+    return "timeout"
+  return "aborted"
+
+
+def is_peer_failure(error: BaseException) -> bool:
+  """Whether `error` is how a collective reports a lost or stalled peer."""
+  return peer_failure_reason(error) is not None
 
 
 class PeerFailureError(RuntimeError):
-  """A collective failed because a peer worker died, stalled or is unreachable.
+  """A peer died, stalled or is unreachable: a collective or start-up failed.
 
   Attributes:
-    timeout_seconds: the collective timeout in force (None: TensorFlow's).
+    timeout_seconds: the timeout in force (None: TensorFlow's).
     original: the TensorFlow error the collective raised.
+    reason: "timeout", "connection" or "aborted" (`peer_failure_reason` of
+      `original`).
   """
 
   def __init__(self, message: str, timeout_seconds, original: Exception):
     super().__init__(message)
     self.timeout_seconds = timeout_seconds
     self.original = original
-
-
-def is_peer_failure(error: BaseException) -> bool:
-  """Whether `error` is how a collective reports a lost or stalled peer."""
-  text = str(error)
-  return isinstance(error, _PEER_ERRORS) or (
-      isinstance(error, tf.errors.OpError) and (
-          "Collective ops is aborted" in text or "timed out" in text.lower()))
+    self.reason = peer_failure_reason(original)
 
 
 def _first_line(error: BaseException) -> str:
   text = str(error).strip()
   return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def _said(error: BaseException) -> str:
+  return f"TensorFlow said: {type(error).__name__}: {_first_line(error)}"
+
+
+def collective_failure(error: BaseException, timeout_seconds, worker_index: int,
+                       cluster: dict) -> PeerFailureError | None:
+  """`error` of a collective as a `PeerFailureError` saying what happened.
+
+  Returns None when `error` is not a peer failure (`peer_failure_reason`).
+  The message says whether the collective timed out, lost its connection
+  or was aborted, names `cluster` and ends with TF's error (type, first
+  line).
+  """
+  reason = peer_failure_reason(error)
+  if reason is None:
+    return None
+  if reason == "connection":
+    what = ("lost the connection to a peer (connection reset/refused): the "
+            "peer probably died")
+  elif reason == "timeout":
+    bound = (f"within collective_timeout_seconds={timeout_seconds:g}"
+             if timeout_seconds else "within TensorFlow's own deadline")
+    what = (f"did not complete {bound}: a peer worker probably died, stalled "
+            "or is unreachable")
+  else:
+    what = ("was aborted (by TensorFlow's health check, or because an earlier "
+            "collective failed): a peer worker probably died or stalled")
+  return PeerFailureError(
+      f"MultiWorkerReplicator (worker {worker_index}): a collective {what} "
+      f"(cluster: {cluster}). Collectives cannot recover in this process; "
+      "restart every worker, e.g. from the last checkpoint. " + _said(error),
+      timeout_seconds, error)
+
+
+def _check_timeout(name: str, value) -> float | None:
+  """`value` as a float if it is a finite number > 0; None stays None."""
+  if value is None:
+    return None
+  try:
+    return float(validation.check_number("MultiWorkerReplicator", name, value,
+                                         numbers.Real, 0, True))
+  except ValueError as e:
+    raise ValueError(f"{e} (or None: no timeout)") from None
+
+
+_TASK_NAME = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
+
+
+def _task_address(cluster_spec, job: str, index: int) -> str | None:
+  try:
+    return cluster_spec.task_address(job, index)
+  except ValueError:
+    return None
+
+
+def _check_port_free(cluster_spec, task_type: str, task_id: int) -> None:
+  """Raises if another process listens on this task's port.
+
+  gRPC servers share ports (SO_REUSEPORT): a TF server of another run on
+  this task's port would not make ours fail, but take some of its
+  connections, and start-up would hang. Probed where TF binds, 0.0.0.0.
+  """
+  address = _task_address(cluster_spec, task_type, task_id)
+  port = address.rsplit(":", 1)[-1] if address else ""
+  if not port.isdigit() or int(port) == 0:
+    return
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      probe.bind(("0.0.0.0", int(port)))
+    except OSError as e:
+      if e.errno != errno.EADDRINUSE:
+        return  # e.g. no IPv4: left to TF
+      raise RuntimeError(
+          f"MultiWorkerReplicator ({task_type} {task_id}): port {port} of this "
+          f"task's address {address} is already in use by another process. "
+          "Is a worker of an earlier run still running, or was another task "
+          "given the same address? Stop it, or give this task a free port.") from None
+
+
+def _startup_failure(error, cluster_spec, task_type, task_id, leader: str,
+                     timeout: float) -> PeerFailureError:
+  """The error for a cluster that did not start within `timeout`.
+
+  The coordination service's barrier error names the tasks that did not
+  register ("timed out task names: /job:worker/replica:0/task:1"); a task
+  whose registration got no answer at all waited for the service's leader.
+  """
+  text = str(error)
+  marker = text.find("timed out task names:")
+  stragglers = set()
+  if marker >= 0:
+    stragglers = {(job, int(i)) for job, i in _TASK_NAME.findall(
+        text[marker:].split("\n\n")[0])}
+  me = (task_type, task_id)
+  stragglers.discard(me)
+  if not stragglers:
+    match = _TASK_NAME.search(leader)
+    stragglers = {(match[1], int(match[2]))} if match else set()
+    stragglers.discard(me)
+  if not stragglers:  # not found: any other coordinated task
+    stragglers = {(job, i) for job in ("chief", "worker") if job in cluster_spec.jobs
+                  for i in cluster_spec.task_indices(job)} - {me}
+  peers = ", ".join(f"{job} {i} ({_task_address(cluster_spec, job, i)})"
+                    for job, i in sorted(stragglers))
+  return PeerFailureError(
+      f"MultiWorkerReplicator ({task_type} {task_id}, "
+      f"{_task_address(cluster_spec, task_type, task_id)}): the cluster did "
+      f"not start within startup_timeout_seconds={timeout:g}: no answer from "
+      f"{peers}. Check that every worker was started with the same TF_CONFIG "
+      "cluster (and its own task index), that the workers reach each other at "
+      "these addresses, and that their ports are free. " + _said(error),
+      timeout, error)
 
 
 class MultiWorkerReplicator(ReplicatorMixin,
@@ -93,17 +249,28 @@ class MultiWorkerReplicator(ReplicatorMixin,
   `cluster_resolver`. Every worker runs the same program, and must create its
   replicators in the same order: collective keys are derived from that order.
 
+  Start-up. The first replicator of a process starts this task's gRPC server
+  and registers with TensorFlow's coordination service (hosted by the chief,
+  else worker 0), which waits for every worker. So that a worker that never
+  starts, or an unreachable one, fails the others instead of hanging them,
+  registration is bounded by `startup_timeout_seconds`: then the constructor
+  raises a `PeerFailureError` naming the tasks (host:port) that did not
+  answer. Before that it checks that no other process listens on this
+  task's port (a worker of an earlier run would otherwise take some of its
+  connections).
+
   Peer failures. With `collective_timeout_seconds=T`, every collective
   (all-reduce, all-gather, ...) that does not complete within T seconds fails
-  with `DeadlineExceededError`; a peer whose process died usually makes it
-  fail sooner (connection refused). `run(step_fn, input_fn)` turns such errors
-  into a `PeerFailureError` that says so; wrap other training loops (e.g.
-  `model.fit`) in `with replicator.peer_failure_errors():` for the same
-  message. Collectives cannot recover in-process: restart every worker (from
-  the last checkpoint). T must exceed the longest wait a healthy peer can
-  cause, including the first step's tracing on the slowest worker. Without
-  a timeout, TensorFlow's health check (every 30 s) aborts collectives once a
-  peer stops answering.
+  with `DeadlineExceededError`; a peer whose process died may make it fail
+  sooner (connection reset or refused). `run(step_fn, input_fn)` turns such
+  errors into a `PeerFailureError` that says which it was (its `reason`);
+  wrap other training loops (e.g. `model.fit`) in
+  `with replicator.peer_failure_errors():` for the same message. Collectives
+  cannot recover in-process: restart every worker (from the last
+  checkpoint). T must exceed the longest wait a healthy peer can cause,
+  including the first step's tracing on the slowest worker. Without a
+  timeout, TensorFlow's health check aborts collectives once a peer stops
+  answering.
 
   Args:
     cluster_resolver: optional; default reads TF_CONFIG.
@@ -113,34 +280,41 @@ class MultiWorkerReplicator(ReplicatorMixin,
     collective_timeout_seconds: optional timeout T (> 0) of every collective;
       shorthand for `CommunicationOptions(timeout_seconds=T)` (give one or
       the other a timeout, not both).
+    startup_timeout_seconds: how long (> 0) start-up waits for every worker
+      to register; None waits for ever. Raise it where workers start far
+      apart (e.g. queued by a scheduler).
   """
+
+  # Default start-up bound: peers may still be importing or being scheduled.
+  STARTUP_TIMEOUT_SECONDS = 120.0
 
   def __init__(self, cluster_resolver=None, communication_options=None,
                num_devices_per_replica: int = 1, input_replication=PER_WORKER,
                input_split_fn=None, jit_compile: bool = False,
-               collective_timeout_seconds: float | None = None):
+               collective_timeout_seconds: float | None = None,
+               startup_timeout_seconds: float | None = STARTUP_TIMEOUT_SECONDS):
     check_positive_int("num_devices_per_replica", num_devices_per_replica)
+    collective_timeout_seconds = _check_timeout("collective_timeout_seconds",
+                                                collective_timeout_seconds)
+    startup_timeout_seconds = _check_timeout("startup_timeout_seconds",
+                                             startup_timeout_seconds)
     if collective_timeout_seconds is not None:
-      if (isinstance(collective_timeout_seconds, bool) or
-          not isinstance(collective_timeout_seconds, (int, float)) or
-          not collective_timeout_seconds > 0):
-        raise ValueError("collective_timeout_seconds must be a number > 0 or "
-                         f"None, got {collective_timeout_seconds!r}")
       if communication_options is None:
         communication_options = tf.distribute.experimental.CommunicationOptions(
-            timeout_seconds=float(collective_timeout_seconds))
+            timeout_seconds=collective_timeout_seconds)
       elif communication_options.timeout_seconds is not None:
         raise ValueError(
             "give the collective timeout once: collective_timeout_seconds="
-            f"{collective_timeout_seconds} and communication_options."
+            f"{collective_timeout_seconds:g} and communication_options."
             f"timeout_seconds={communication_options.timeout_seconds}")
       else:
         communication_options = tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=communication_options.bytes_per_pack,
-            timeout_seconds=float(collective_timeout_seconds),
+            timeout_seconds=collective_timeout_seconds,
             implementation=communication_options.implementation)
     self.collective_timeout_seconds = (
         communication_options.timeout_seconds if communication_options else None)
+    self.startup_timeout_seconds = startup_timeout_seconds
     if num_devices_per_replica != 1:
       raise NotImplementedError(
           "MultiWorkerReplicator supports num_devices_per_replica=1 only "
@@ -148,11 +322,27 @@ class MultiWorkerReplicator(ReplicatorMixin,
           "replicas on one machine")
     if cluster_resolver is None:
       validate_tf_config()
+      cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = cluster_resolver.cluster_spec()
+    task = (cluster_resolver.task_type, cluster_resolver.task_id)
+    leader = None
+    # The first multi-worker strategy of a process starts its server.
+    if spec.as_dict() and not _private.coordination_service_configured():
+      _check_port_free(spec, *task)
+      if startup_timeout_seconds is not None:
+        leader = _private.configure_bounded_coordination_service(
+            spec, task[0], startup_timeout_seconds)
     self._init_replicator(None, input_replication, input_split_fn, jit_compile)
     self._tf_dct_key_base = _private.next_collective_key_base()
     _private.set_collective_key_base(self, self._tf_dct_key_base)
-    super().__init__(cluster_resolver=cluster_resolver,
-                     communication_options=communication_options)
+    try:
+      super().__init__(cluster_resolver=cluster_resolver,
+                       communication_options=communication_options)
+    except tf.errors.OpError as e:
+      if leader is None or not is_peer_failure(e):
+        raise
+      raise _startup_failure(e, spec, *task, leader,
+                             startup_timeout_seconds) from e
     self._agree("replicator", {
         "replicas_per_worker": len(self.replica_devices),
         "num_replicas": self.num_replicas,
@@ -233,17 +423,10 @@ class MultiWorkerReplicator(ReplicatorMixin,
     try:
       yield
     except Exception as e:  # pylint: disable=broad-except
-      if not is_peer_failure(e):
+      resolver = self.cluster_resolver
+      failure = collective_failure(
+          e, self.collective_timeout_seconds, self.worker_index,
+          resolver.cluster_spec().as_dict() if resolver else {})
+      if failure is None:
         raise
-      timeout = self.collective_timeout_seconds
-      bound = (f"within collective_timeout_seconds={timeout:g}" if timeout
-               else "(no collective_timeout_seconds set; TensorFlow's health "
-                    "check aborted it)")
-      peers = self.cluster_resolver.cluster_spec().as_dict() if self.cluster_resolver else {}
-      raise PeerFailureError(
-          f"MultiWorkerReplicator (worker {self.worker_index}): a collective "
-          f"did not complete {bound}: a peer worker probably died, stalled or "
-          f"is unreachable (cluster: {peers}). Collectives cannot recover in "
-          "this process; restart every worker, e.g. from the last checkpoint. "
-          f"TensorFlow said: {type(e).__name__}: {_first_line(e)}",
-          timeout, e) from e
+      raise failure from e
