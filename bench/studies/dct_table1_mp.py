@@ -434,14 +434,14 @@ def define(parser: argparse.ArgumentParser) -> None:
                       help="eta values with two splits (default 0.75,0.9,0.95,0.98: "
                            "the paper's and one beyond; quick 0.9; 'none' for no "
                            "two-split run)")
-  parser.add_argument("--model_config", default="default", choices=("default", "local"),
-                      help="launcher preset of the DLRM: the paper's dimensions, or "
-                           "`local` (tiny, for smoke tests)")
   define_training(parser)
 
 
 def define_training(parser: argparse.ArgumentParser) -> None:
-  """The training flags every DCT table study shares."""
+  """The training flags every DCT DLRM table study shares."""
+  parser.add_argument("--model_config", default="default", choices=("default", "local"),
+                      help="launcher preset of the DLRM: the paper's dimensions, or "
+                           "`local` (tiny, for smoke tests)")
   parser.add_argument("--batch_size", type=int, default=256, help="global batch")
   parser.add_argument("--learning_rate", type=float, default=1e-3, help="Adam")
   parser.add_argument("--eval_batches", type=int, default=None,

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> common.Result:
 
   def cfg(eta=None):
     return t1.job_config(
-        "dlrm", num_replicas=replicas, num_devices_per_replica=1, mp_splits="none",
+        "dlrm", config=args.model_config, num_replicas=replicas, num_devices_per_replica=1, mp_splits="none",
         compression="none" if eta is None else "dct",
         sparsity=0.99 if eta is None else eta, threshold_life=life, steps=steps,
         batch_size=args.batch_size, learning_rate=args.learning_rate,

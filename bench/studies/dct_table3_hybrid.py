@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> common.Result:
 
   def cfg(eta=None):
     return t1.job_config(
-        "dlrm", num_replicas=replicas, num_devices_per_replica=2,
+        "dlrm", config=args.model_config, num_replicas=replicas, num_devices_per_replica=2,
         mp_splits="none" if eta is None else ",".join(t1.TWO_SPLITS),
         mp_sparsity=0.9 if eta is None else eta,
         compression="none" if eta is None else "dct",

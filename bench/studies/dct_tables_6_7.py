@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> common.Result:
   common.logical_cpus(1, strict=True)
 
   def cfg(eta=0.9, split=True):
-    return t1.job_config("dlrm", num_replicas=1, num_devices_per_replica=1,
+    return t1.job_config("dlrm", config=args.model_config, num_replicas=1, num_devices_per_replica=1,
                          compression="none",
                          mp_splits=",".join(splits) if split else "none",
                          mp_sparsity=eta, steps=steps, batch_size=args.batch_size,

@@ -58,8 +58,8 @@ class ReproduceDctTest(tf.test.TestCase):
       self.assertIn(text, md)
 
   def test_tables_6_7_tiny_run(self):
-    md = run_tiny(self, "dct_tables_6_7", "--sparsities", "0.9", "--eval_batches", "1",
-                    "--batch_size", "32")
+    md = run_tiny(self, "dct_tables_6_7", "--model_config", "local",
+                  "--sparsities", "0.9", "--eval_batches", "1", "--batch_size", "32")
     for text in ("| DCT-MP | 90% |", "| Gaussian sketch X_act | 90% |",
                  "| top-k X_grad + EF | 90% |", "The paper's Table 7"):
       self.assertIn(text, md)

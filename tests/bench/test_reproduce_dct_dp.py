@@ -19,14 +19,16 @@ def setUpModule():
 class ReproduceDctDpTest(tf.test.TestCase):
 
   def test_table2_dp_tiny_run(self):
-    md = test_reproduce_dct.run_tiny(self, "dct_table2_dp", "--sparsities", "0.9", "--eval_batches", "1",
-                    "--batch_size", "32")
+    md = test_reproduce_dct.run_tiny(self, "dct_table2_dp", "--model_config", "local",
+                                     "--sparsities", "0.9", "--eval_batches", "1",
+                                     "--batch_size", "32")
     for text in ("| 90% |", "density_band=None", "The paper's Table 2"):
       self.assertIn(text, md)
 
   def test_table3_hybrid_tiny_run(self):
-    md = test_reproduce_dct.run_tiny(self, "dct_table3_hybrid", "--sparsities", "0.9", "--eval_batches", "1",
-                    "--batch_size", "32")
+    md = test_reproduce_dct.run_tiny(self, "dct_table3_hybrid", "--model_config", "local",
+                                     "--sparsities", "0.9", "--eval_batches", "1",
+                                     "--batch_size", "32")
     for text in ("| 90% |", "The paper's Table 3"):
       self.assertIn(text, md)
 
