@@ -1,5 +1,6 @@
 """Process-wide settings every test module needs before TensorFlow loads."""
 
+import gc
 import os
 
 # TFRS needs tf.keras to be Keras 2; we import tf_keras / keras explicitly.
@@ -11,8 +12,28 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 # which pytest never parses.
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 if not flags.FLAGS.is_parsed():
   flags.FLAGS.mark_as_parsed()
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_after_each_test():
+  """Python's cyclic garbage collector runs between tests, never during one.
+
+  A finished training run (a model, a Job, a replicator's datasets) is freed
+  by the cyclic collector; freeing its tf.data iterators while another test
+  traces or steps can block for as long as their autotuning threads sleep
+  (pauses of 10-60 s landed in unrelated tests). Collected right after the
+  test that made them, they go quickly.
+  """
+  gc.disable()
+  try:
+    yield
+  finally:
+    gc.enable()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(items):
