@@ -82,8 +82,11 @@ class TrainTest(tf.test.TestCase):
     batch = _fixed_batch(seed=1)
     with repl.scope():
       model = dlrm.build_model(seed=1, **TINY)
-      model.compile(optimizer=repl.wrap_optimizer(tf_keras.optimizers.Adam(0.02)),
-                    loss=dlrm.loss, metrics=dlrm.metrics())
+      opt = repl.wrap_optimizer(tf_keras.optimizers.Adam(0.02))
+      model.compile(optimizer=opt, loss=dlrm.loss, metrics=dlrm.metrics())
+    # Slots first, as launch/train.py does: variables created inside the
+    # first trace would force a second trace of the train function.
+    opt.build(model.trainable_variables)
     before = _mean_loss(model, batch)
     model.fit(dlrm.make_dataset(BATCH, seed=1, vocab_sizes=20), steps_per_epoch=40,
               epochs=1, verbose=0)
@@ -95,6 +98,7 @@ class TrainTest(tf.test.TestCase):
     with repl.scope():
       model = dlrm.build_model(seed=2, **TINY)
       opt = repl.wrap_optimizer(tf_keras.optimizers.Adam(0.02))
+    opt.build(model.trainable_variables)  # slots first: the step traces once
     data = dlrm.make_dataset(BATCH, seed=2, vocab_sizes=20)
     input_fn = lambda ctx: data
 
