@@ -50,12 +50,15 @@ def continuous_gradients(steps: int, replicas: int, seed: int = 0,
 
 
 def run(compressor, grads, replicas: int, jit_compile: bool = False,
-        shapes=SHAPES, phases: bool = False):
+        shapes=SHAPES, phases: bool = False, autograph: bool = True):
   """Feeds grads[t][r][v] to `compressor.aggregate` on `replicas` replicas.
 
   With `phases`, step t is traced and run in the compressor's phase of t
   (`Compressor.in_phase`, as `wrap_optimizer` drives it); without, every
-  step decides its phase in the graph.
+  step decides its phase in the graph. With `autograph=False` the step
+  function, hence the compressor, is traced as plain Python, as it is when
+  a Keras optimizer calls it through `wrap_optimizer` (Keras code is not
+  converted); conversion is a large part of tracing on many replicas.
 
   Returns `(repl, step_fn, variables, history)`; history[t] is `(out,
   states)`: out[r][v] the aggregate on replica r, states[v] the state of
@@ -79,6 +82,8 @@ def run(compressor, grads, replicas: int, jit_compile: bool = False,
   def step_fn(g):
     return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
 
+  if not autograph:
+    step_fn = tf.autograph.experimental.do_not_convert(step_fn)
   history = []
   for _ in grads:
     out = [tf.nest.map_structure(lambda t: t.numpy(), o)
