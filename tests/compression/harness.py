@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import tf_dct
 from tests import conservation
+from tests import util
 
 SHAPES = [(6, 5), (17,)]
 
@@ -75,9 +76,9 @@ def run(compressor, grads, replicas: int, jit_compile: bool = False,
                  for i, s in enumerate(shapes)]
 
   def input_fn(replica_id):
-    return tf.data.Dataset.from_tensor_slices(tuple(
+    return util.without_autotune(tf.data.Dataset.from_tensor_slices(tuple(
         np.stack([step[replica_id][v] for step in grads])
-        for v in range(len(shapes))))
+        for v in range(len(shapes)))))
 
   def step_fn(g):
     return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]

@@ -93,14 +93,13 @@ def _per_replica_input(repl, x, y):
   iterator) starts autotune threads that ignore the dataset's options and
   block its teardown at the end of every fit() for up to a minute."""
   per_replica = BATCH // repl.num_replicas_in_sync
-  options = tf.data.Options()
-  options.autotune.enabled = False
 
   def dataset_fn(ctx):
     rows = slice(ctx.input_pipeline_id * per_replica,
                  (ctx.input_pipeline_id + 1) * per_replica)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).map(
-        lambda xb, yb: (xb[rows], yb[rows])).repeat().with_options(options)
+    return util.without_autotune(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).map(
+            lambda xb, yb: (xb[rows], yb[rows])).repeat())
 
   return repl.distribute_datasets_from_function(
       dataset_fn, tf.distribute.InputOptions(
@@ -131,8 +130,8 @@ def _custom_loop_keras3(compressor):
 
   def input_fn(ctx):
     del ctx
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        BATCH, drop_remainder=True).repeat(EPOCHS)
+    return util.without_autotune(tf.data.Dataset.from_tensor_slices(
+        (x, y)).batch(BATCH, drop_remainder=True).repeat(EPOCHS))
 
   def step_fn(batch):
     xb, yb = batch
