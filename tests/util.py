@@ -23,6 +23,19 @@ def builtin_mirrored(devices) -> tf.distribute.MirroredStrategy:
   return tf.distribute.MirroredStrategy(devices)
 
 
+def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """`dataset` without tf.data autotuning, for small in-memory test data.
+
+  An autotuned iterator's model thread sleeps for periods that grow to a
+  minute, and destroying the iterator (when fit returns, or when a replicator
+  holding it is collected) waits for that thread: a stall of up to a minute
+  in whatever test runs then.
+  """
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return dataset.with_options(options)
+
+
 def local(strategy, value):
   """Per-replica results of `value` as a list of numpy arrays (nested ok)."""
   return [tf.nest.map_structure(lambda t: t.numpy(), v)

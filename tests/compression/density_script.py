@@ -1,10 +1,11 @@
-"""Achieved density of DEFT and TopK on 8 real replicas.
+"""Achieved density of DEFT on 8 real replicas.
 
 Run by tests/compression/test_deft.py in a subprocess: the test process splits
 the CPU into 4 logical devices, and 8 replicas need 8 (2 and 4 replicas are
 tested in process). Prints one JSON object, {"deft": {"last": [per
-replica], "mean": [per replica]}, "topk": {...}}: the density of the last
-step and the mean over the steps, from the compressors' own accounting.
+replica], "mean": [per replica]}}: the density of the last step and the mean
+over the steps, from the compressor's own accounting. (TopK's build-up on the
+same gradients is computed by the test from the numpy reference.)
 """
 
 import json
@@ -21,7 +22,6 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct.compression import DEFT  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tf_dct.compression import TopK  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tests.compression import harness  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # n_g = 13632 in three layers of different gradient scales; at 8 replicas
@@ -45,15 +45,14 @@ def gradients(replicas: int, seed: int):
 
 
 def run(n: int) -> dict:
-  """Each compressor on its own n-replica replicator (the shared harness)."""
-  out = {}
-  for name, make in (("deft", DEFT), ("topk", TopK)):
-    compressor = make(density=DENSITY)
-    harness.run(compressor, gradients(n, seed=n), n, shapes=SHAPES)
-    stats = compressor.communication_stats()
-    out[name] = {"last": stats["last"]["density"],
-                 "mean": stats["total"]["density"]}
-  return out
+  """DEFT on an n-replica replicator (the shared harness), traced without
+  autograph as under `wrap_optimizer` (a third less tracing on 8 replicas)."""
+  compressor = DEFT(density=DENSITY)
+  harness.run(compressor, gradients(n, seed=n), n, shapes=SHAPES,
+              autograph=False)
+  stats = compressor.communication_stats()
+  return {"deft": {"last": stats["last"]["density"],
+                   "mean": stats["total"]["density"]}}
 
 
 def main():

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import tf_dct
 from tests import conservation
+from tests import util
 
 SHAPES = [(6, 5), (17,)]
 
@@ -50,12 +51,15 @@ def continuous_gradients(steps: int, replicas: int, seed: int = 0,
 
 
 def run(compressor, grads, replicas: int, jit_compile: bool = False,
-        shapes=SHAPES, phases: bool = False):
+        shapes=SHAPES, phases: bool = False, autograph: bool = True):
   """Feeds grads[t][r][v] to `compressor.aggregate` on `replicas` replicas.
 
   With `phases`, step t is traced and run in the compressor's phase of t
   (`Compressor.in_phase`, as `wrap_optimizer` drives it); without, every
-  step decides its phase in the graph.
+  step decides its phase in the graph. With `autograph=False` the step
+  function, hence the compressor, is traced as plain Python, as it is when
+  a Keras optimizer calls it through `wrap_optimizer` (Keras code is not
+  converted); conversion is a large part of tracing on many replicas.
 
   Returns `(repl, step_fn, variables, history)`; history[t] is `(out,
   states)`: out[r][v] the aggregate on replica r, states[v] the state of
@@ -72,13 +76,15 @@ def run(compressor, grads, replicas: int, jit_compile: bool = False,
                  for i, s in enumerate(shapes)]
 
   def input_fn(replica_id):
-    return tf.data.Dataset.from_tensor_slices(tuple(
+    return util.without_autotune(tf.data.Dataset.from_tensor_slices(tuple(
         np.stack([step[replica_id][v] for step in grads])
-        for v in range(len(shapes))))
+        for v in range(len(shapes)))))
 
   def step_fn(g):
     return [a for a, _ in compressor.aggregate(list(zip(g, variables)))]
 
+  if not autograph:
+    step_fn = tf.autograph.experimental.do_not_convert(step_fn)
   history = []
   for _ in grads:
     out = [tf.nest.map_structure(lambda t: t.numpy(), o)

@@ -49,8 +49,8 @@ def _run(make):
     w = tf.Variable(tf.zeros([N]), name="w")
 
   def input_fn(replica_id):
-    return tf.data.Dataset.from_tensor_slices(
-        (ids[:, replica_id], vals[:, replica_id], dense[:, replica_id]))
+    return util.without_autotune(tf.data.Dataset.from_tensor_slices(
+        (ids[:, replica_id], vals[:, replica_id], dense[:, replica_id])))
 
   def step_fn(batch):
     i, v, d = batch

@@ -4,7 +4,8 @@ A small MLP (16 -> 256 ReLU -> 1) learns a fixed random teacher network on
 synthetic Gaussian inputs (plus a little label noise) over 4 logical CPU
 replicas of one `tf_dct.Replicator`. Each compressor is plugged in with
 `repl.wrap_optimizer(SGD, compression=...)`; the run is repeated with tf-keras
-`model.fit` and with a Keras 3 custom loop (`GradientTape` step driven by
+`model.fit` (fed per replica, each replica the rows fit would give it) and
+with a Keras 3 custom loop (`GradientTape` step driven by
 `repl.run(step_fn, input_fn)`). Same data, same initial weights, same batches
 for every compressor. The criterion is the issue's: the final loss (mean
 squared error over the whole training set, evaluated after training) of each
@@ -84,6 +85,30 @@ def _final_loss(model, x, y):
   return float(np.mean((pred - y) ** 2))
 
 
+def _per_replica_input(repl, x, y):
+  """fit's input: the replica with input pipeline r reads rows [r b, (r + 1) b)
+  of every global batch (b = BATCH / replicas), as fit splits a global batch
+  of x, y itself (same batches, same losses bit for bit), from its own
+  dataset without tf.data autotune. fit's own input (a multi-device
+  iterator) starts autotune threads that ignore the dataset's options and
+  block its teardown at the end of every fit() for up to a minute."""
+  per_replica = BATCH // repl.num_replicas_in_sync
+
+  def dataset_fn(ctx):
+    rows = slice(ctx.input_pipeline_id * per_replica,
+                 (ctx.input_pipeline_id + 1) * per_replica)
+    return util.without_autotune(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).map(
+            lambda xb, yb: (xb[rows], yb[rows])).repeat())
+
+  return repl.distribute_datasets_from_function(
+      dataset_fn, tf.distribute.InputOptions(
+          experimental_replication_mode=tf.distribute.InputReplicationMode
+          .PER_REPLICA,
+          experimental_place_dataset_on_device=True,
+          experimental_fetch_to_device=False))
+
+
 def _fit_tf_keras(compressor):
   x, y = _data()
   repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(util.NUM_CPUS)])
@@ -91,7 +116,8 @@ def _fit_tf_keras(compressor):
     model = _model(tf_keras)
     opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(LR), compression=compressor)
     model.compile(optimizer=opt, loss="mse")
-  model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+  model.fit(_per_replica_input(repl, x, y), epochs=EPOCHS,
+            steps_per_epoch=SAMPLES // BATCH, verbose=0)
   return _final_loss(model, x, y)
 
 
@@ -104,8 +130,8 @@ def _custom_loop_keras3(compressor):
 
   def input_fn(ctx):
     del ctx
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        BATCH, drop_remainder=True).repeat(EPOCHS)
+    return util.without_autotune(tf.data.Dataset.from_tensor_slices(
+        (x, y)).batch(BATCH, drop_remainder=True).repeat(EPOCHS))
 
   def step_fn(batch):
     xb, yb = batch
@@ -120,7 +146,7 @@ def _custom_loop_keras3(compressor):
   return _final_loss(model, x, y)
 
 
-@pytest.mark.slow  # about 3 minutes on 2 cores: 6 trainings of 640 steps
+@pytest.mark.slow  # 6 trainings of 640 steps on 4 replicas
 class ConvergenceTest(tf.test.TestCase):
 
   def _check(self, train):

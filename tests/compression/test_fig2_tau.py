@@ -105,8 +105,8 @@ def _train():
 
   def input_fn(ctx):
     del ctx
-    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
-        BATCH, drop_remainder=True)
+    return util.without_autotune(tf.data.Dataset.from_tensor_slices(
+        (x, y)).repeat().batch(BATCH, drop_remainder=True))
 
   def step_fn(batch):
     xb, yb = batch
