@@ -1,11 +1,13 @@
 r"""End-to-end step time of DLRM on an emulated constrained link.
 
-Two worker processes, each in its own Linux network namespace, joined by a
-veth pair (10.77.0.1/24 and 10.77.0.2/24) whose two ends are shaped with `tc`
-(netem rate + delay when the kernel has netem, else tbf: rate only, and the
-report says the delay was not emulated). Each configuration runs as a fresh
-pair of workers (`bench/e2e_worker.py`, which trains with `launch.train.Job`
-under `tf_dct.MultiWorkerReplicator`), same seed and data:
+`--workers` worker processes (2 by default), each in its own Linux network
+namespace with an address 10.77.0.<i + 1>/24. Two workers are joined by a
+veth pair; more each have a veth to a bridge in a switch namespace. Every
+link is shaped with `tc` at both ends, so each worker has the rate in each
+direction (netem rate + delay when the kernel has netem, else tbf: rate
+only, and the report says the delay was not emulated). Each configuration
+runs on fresh workers (`bench/e2e_worker.py`, which trains with
+`launch.train.Job` under `tf_dct.MultiWorkerReplicator`), same seed and data:
 
   native    the launcher's --compression=none: tf_dct Dense, which sends what
             stock TensorFlow sends: MLP gradients all-reduced, the embedding
@@ -27,7 +29,7 @@ Printed per configuration: step time over the timed steps (after
 --warmup_steps untimed steps), bytes per worker and step from tf_dct's
 accounting and from the veth counters over exactly the timed steps (the
 workers stop at a file handshake at both ends of the window, when every
-collective of the step before has completed on both sides), their ratio, the
+collective of the step before has completed on every worker), their ratio, the
 TCP payload (wire minus 66 header bytes per frame; GSO is off so every packet
 is one frame), packets, CPU time per step, link utilization (wire bytes /
 (rate x time), per direction), test loss on a fixed eval set after --steps
@@ -44,6 +46,11 @@ also die with the driver via PR_SET_PDEATHSIG); after a SIGKILL of the driver,
   sudo python bench/e2e_link.py --quick                       # ~4 min on 2 cores
   sudo python bench/e2e_link.py --rate=1gbit --delay=0.5ms    # ~30 min
   sudo python bench/e2e_link.py --rate=100mbit --delay=0.5ms --configs=native,dctdp
+  sudo python bench/e2e_link.py --quick --workers=4 --png=/tmp/e2e.png
+  python bench/e2e_link.py --plot_json=a.json,b.json --png=fig.png  # no root
+
+`--png` draws step time and test loss against native per configuration;
+`--plot_json` draws several earlier `--json` results into one figure.
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ SHAPERS = ("auto", "netem", "tbf")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
 NS_PREFIX = "dcte2e_"
 SUBNET = "10.77.0"
-NUM_WORKERS = 2
+MAX_WORKERS = 8
 NUM_TABLES, EMBEDDING_DIM = 26, 16  # DLRM (DCT §3.1)
 FRAME_HEADER_BYTES = 14 + 20 + 32  # Ethernet + IPv4 + TCP with timestamps
 
@@ -156,8 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="eval batches (fixed eval split), in [1, 10000]")
   p.add_argument("--vocab_size", type=int, default=None,
                  help=f"rows per embedding table (26 tables x dim 16), in [2, {MAX_VOCAB}]")
+  p.add_argument("--workers", type=int, default=2,
+                 help=f"worker processes, one CPU replica each, in [2, {MAX_WORKERS}]; more "
+                 "than the machine's cores measures only the shape of the run")
   p.add_argument("--batch_size", type=int, default=256,
-                 help="global batch (both workers), even, in [2, 65536]")
+                 help="global batch (all workers), divisible by --workers, in [2, 65536]")
   p.add_argument("--optimizer", default="adam",
                  help=f"one of {','.join(OPTIMIZERS)}, for every configuration")
   p.add_argument("--learning_rate", type=float, default=1e-3, help="> 0")
@@ -176,11 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
                  help="keep GSO on the veth (default off: MTU-sized frames, so the "
                  "counters see per-frame headers as on a wire)")
   p.add_argument("--port", type=int, default=23456,
-                 help="first worker port; configuration i uses port + 2i, + 2i + 1")
+                 help="first worker port; configuration i uses ports port + n i to port + n i + n - 1 "
+                 "(n = --workers)")
   p.add_argument("--nice", type=int, default=10, help="niceness of the workers, in [0, 19]")
   p.add_argument("--timeout", type=float, default=3600.0,
                  help="seconds per configuration before giving up, > 0")
   p.add_argument("--json", default="", help="also write every number to this file")
+  p.add_argument("--png", default="", help="also draw step time and test loss against "
+                 "native per configuration to this PNG (needs matplotlib)")
+  p.add_argument("--plot_json", default="",
+                 help="comma list of earlier --json files: only draw them to --png "
+                 "(one group per file), run nothing; needs no root")
   p.add_argument("--keep_logs", action="store_true",
                  help="keep the worker logs (their directory is printed)")
   p.add_argument("--cleanup_stale", action="store_true",
@@ -203,6 +219,12 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
   if args.shaper not in SHAPERS:
     raise FlagError(f"--shaper must be one of {','.join(SHAPERS)}, got {args.shaper!r}")
   args.config_list = parse_configs(args.configs)
+  args.plot_list = [f for f in args.plot_json.split(",") if f] if args.plot_json else []
+  if args.plot_list and not args.png:
+    raise FlagError("--plot_json needs --png (the file to draw to)")
+  for f in args.plot_list:
+    if not os.path.isfile(f):
+      raise FlagError(f"--plot_json: no such file {f!r}")
 
   def check_int(name, lo, hi):
     v = getattr(args, name)
@@ -214,8 +236,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
   check_int("eval_steps", 1, 10000)
   check_int("vocab_size", 2, MAX_VOCAB)
   check_int("batch_size", 2, 65536)
-  if args.batch_size % NUM_WORKERS:
-    raise FlagError(f"--batch_size must be divisible by {NUM_WORKERS} (the workers), "
+  check_int("workers", 2, MAX_WORKERS)
+  if args.batch_size % args.workers:
+    raise FlagError(f"--batch_size must be divisible by --workers={args.workers}, "
                     f"got {args.batch_size}")
   check_int("threshold_life", 1, 10**9)
   check_int("compression_warmup", 0, args.steps)
@@ -223,7 +246,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     check_int("min_count", 0, 10**9)
   check_int("seed", 0, 2**31 - 1)
   check_int("nice", 0, 19)
-  check_int("port", 1024, 65535 - 2 * len(args.config_list))
+  check_int("port", 1024, 65535 - args.workers * len(args.config_list))
 
   def check_float(name, lo, hi, lo_open, hi_open):
     v = getattr(args, name)
@@ -286,7 +309,12 @@ def _die_with_parent() -> None:
 
 
 class Testbed:
-  """Two namespaces joined by a shaped veth pair, and the workers inside them.
+  """The workers' namespaces, their shaped links, and the workers inside them.
+
+  Two workers are joined by one veth pair, each end shaped. More workers
+  each get a veth to a bridge in a switch namespace of their own, shaped at
+  both ends (the worker's end for what it sends, the bridge port for what it
+  receives), so every worker has the rate in each direction.
 
   Everything it creates is recorded *before* the command that creates it
   runs, so `cleanup()` also removes partially created state; it is
@@ -298,41 +326,66 @@ class Testbed:
     popen: `subprocess.Popen`-like, for the workers.
     killpg: `os.killpg`-like.
     log: where progress and cleanup problems are printed.
+    num_workers: workers to connect, in [2, MAX_WORKERS].
   """
 
   def __init__(self, runner: Callable = None, tag: str | None = None,
                popen: Callable = subprocess.Popen, killpg: Callable = os.killpg,
-               log=None):
+               log=None, num_workers: int = 2):
     self.run = runner or Runner()
     tag = str(os.getpid()) if tag is None else tag
-    self.namespaces = [f"{NS_PREFIX}{tag}_{i}" for i in range(NUM_WORKERS)]
-    self.veths = [f"dcte{tag}{c}" for c in "ab"]  # <= 15 characters (IFNAMSIZ)
-    self.addresses = [f"{SUBNET}.{i + 1}" for i in range(NUM_WORKERS)]
+    self.namespaces = [f"{NS_PREFIX}{tag}_{i}" for i in range(num_workers)]
+    self.addresses = [f"{SUBNET}.{i + 1}" for i in range(num_workers)]
+    # Interface names have at most 15 characters (IFNAMSIZ).
+    if num_workers == 2:
+      self.switch = None
+      self.veths = [f"dcte{tag}{c}" for c in "ab"]
+      self.ports: list[str] = []
+    else:  # the switch namespace's index follows the workers' (stale cleanup)
+      self.switch = f"{NS_PREFIX}{tag}_{num_workers}"
+      self.veths = [f"dcte{tag}w{i}" for i in range(num_workers)]
+      self.ports = [f"dcte{tag}p{i}" for i in range(num_workers)]
     self.popen, self.killpg = popen, killpg
     self.log = log or sys.stderr
     self.created_namespaces: list[str] = []
-    self.created_veth = False
+    self.root_veths: list[str] = []  # created, maybe not yet moved out of the root
     self.procs: list = []
     self.cleaning = False
 
   # -- network ------------------------------------------------------------------
 
+  def shaped(self) -> list[tuple[str, str]]:
+    """(namespace, device) of every shaped interface: the workers' ends, then
+    the bridge ports."""
+    return (list(zip(self.namespaces, self.veths))
+            + [(self.switch, port) for port in self.ports])
+
   def setup(self, rate_bps: float, delay_s: float, shaper: str = "auto",
             gso: bool = False) -> Shaping:
-    """Creates and shapes the link; returns what was installed."""
-    for ns in self.namespaces:
+    """Creates and shapes the links; returns what was installed."""
+    for ns in self.namespaces + ([self.switch] if self.switch else []):
       self.created_namespaces.append(ns)
       self.run(["ip", "netns", "add", ns])
-    self.created_veth = True
-    self.run(["ip", "link", "add", self.veths[0], "type", "veth", "peer", "name",
-              self.veths[1]])
+    if self.switch:
+      self.run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
+      self.run(["ip", "-n", self.switch, "link", "set", "br0", "up"])
+      pairs = list(zip(self.veths, self.ports))
+    else:
+      pairs = [tuple(self.veths)]
+    for a, b in pairs:
+      self.root_veths.append(a)
+      self.run(["ip", "link", "add", a, "type", "veth", "peer", "name", b])
+    for port in self.ports:
+      self.run(["ip", "link", "set", port, "netns", self.switch])
+      self.run(["ip", "-n", self.switch, "link", "set", port, "master", "br0"])
     for ns, dev, addr in zip(self.namespaces, self.veths, self.addresses):
       self.run(["ip", "link", "set", dev, "netns", ns])
       self.run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
+      self.run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    for ns, dev in self.shaped():
       if not gso:  # MTU-sized skbs: counters and shaping see real frames
         self.run(["ip", "-n", ns, "link", "set", dev, "gso_max_segs", "1"])
       self.run(["ip", "-n", ns, "link", "set", dev, "up"])
-      self.run(["ip", "-n", ns, "link", "set", "lo", "up"])
     return self._shape(rate_bps, delay_s, shaper)
 
   def _shape(self, rate_bps: float, delay_s: float, shaper: str) -> Shaping:
@@ -342,13 +395,14 @@ class Testbed:
     limit_bytes = int(max(bytes_per_s * 0.1, 1 << 20))
     commands = []
     kind = shaper
+    shaped = self.shaped()
 
     def netem(ns, dev):
       return ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "rate", rate,
               "delay", f"{delay_s * 1e6:.0f}us", "limit", str(max(1000, limit_bytes // 1500))]
 
     if shaper in ("auto", "netem"):
-      cmd = netem(self.namespaces[0], self.veths[0])
+      cmd = netem(*shaped[0])
       try:
         self.run(cmd)
         kind = "netem"
@@ -359,13 +413,13 @@ class Testbed:
         kind = "tbf"
     if kind == "netem":
       commands.append(cmd)
-      for ns, dev in zip(self.namespaces[1:], self.veths[1:]):
+      for ns, dev in shaped[1:]:
         commands.append(netem(ns, dev))
         self.run(commands[-1])
       return Shaping("netem", True, commands)
     # tbf: the bucket holds 1 ms at the rate (>= 10 MTU frames).
     burst = int(max(bytes_per_s * 1e-3, 15140))
-    for ns, dev in zip(self.namespaces, self.veths):
+    for ns, dev in shaped:
       cmd = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
              "burst", str(burst), "limit", str(limit_bytes)]
       self.run(cmd)
@@ -438,12 +492,12 @@ class Testbed:
           self.run(["ip", "netns", "del", ns], check=False)
         except Exception as e:  # pylint: disable=broad-except
           print(f"e2e_link: warning: deleting namespace {ns}: {e}", file=self.log)
-      if self.created_veth:  # still in the root namespace if the move failed
-        self.created_veth = False
+      while self.root_veths:  # still in the root namespace if a move failed
+        dev = self.root_veths.pop()
         try:
-          self.run(["ip", "link", "del", self.veths[0]], check=False)
+          self.run(["ip", "link", "del", dev], check=False)
         except Exception as e:  # pylint: disable=broad-except
-          print(f"e2e_link: warning: deleting {self.veths[0]}: {e}", file=self.log)
+          print(f"e2e_link: warning: deleting {dev}: {e}", file=self.log)
     finally:
       self.cleaning = False
 
@@ -543,16 +597,17 @@ def worker_argv(args: argparse.Namespace, config: str, handshake_dir: str) -> li
 
 def run_config(testbed: Testbed, args: argparse.Namespace, config: str, port: int,
                workdir: str) -> dict:
-  """Runs one configuration on a fresh pair of workers; returns raw measurements."""
+  """Runs one configuration on fresh workers; returns raw measurements."""
   hs = tempfile.mkdtemp(prefix=f"{config}_", dir=workdir)
   cluster = [f"{a}:{port + i}" for i, a in enumerate(testbed.addresses)]
-  logs = [os.path.join(workdir, f"{config}_worker{i}.log") for i in range(NUM_WORKERS)]
+  workers = range(len(testbed.namespaces))
+  logs = [os.path.join(workdir, f"{config}_worker{i}.log") for i in workers]
   base_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
   base_env.update(TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
                   PYTHONPATH=os.pathsep.join(
                       [REPO_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
   procs = []
-  for i in range(NUM_WORKERS):
+  for i in workers:
     env = dict(base_env, TF_CONFIG=json.dumps(
         {"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}}))
     procs.append(testbed.start_worker(i, worker_argv(args, config, hs), env, logs[i],
@@ -577,14 +632,14 @@ def run_config(testbed: Testbed, args: argparse.Namespace, config: str, port: in
       pass
 
   started = time.monotonic()
-  wait_for([f"ready_start_{i}" for i in range(NUM_WORKERS)])
+  wait_for([f"ready_start_{i}" for i in workers])
   before = testbed.counters()
   go("start")
-  wait_for([f"ready_end_{i}" for i in range(NUM_WORKERS)])
+  wait_for([f"ready_end_{i}" for i in workers])
   after = testbed.counters()
   go("end")
   results = []
-  for path in wait_for([f"result_{i}.json" for i in range(NUM_WORKERS)]):
+  for path in wait_for([f"result_{i}.json" for i in workers]):
     with open(path, encoding="utf-8") as f:
       results.append(json.load(f))
   for p in procs:  # they leave with os._exit; give them a moment, then kill
@@ -604,7 +659,7 @@ def run_config(testbed: Testbed, args: argparse.Namespace, config: str, port: in
 
 
 def summarize(raw: dict, rate_bps: float) -> dict:
-  """Per-step numbers of one configuration, mean over the two workers."""
+  """Per-step numbers of one configuration, mean over the workers."""
   w = raw["workers"]
   timed = w[0]["timed_steps"]
   seconds = max(x["window_seconds"] for x in w)
@@ -726,13 +781,66 @@ def report(rows: list[dict], args: argparse.Namespace, shaping: Shaping,
   return verdict
 
 
+def _label(result: dict) -> str:
+  """One result's link, optimizer, workers and steps, for the figure."""
+  a = result["args"]
+  rate = a["rate"].replace("mbit", " Mbit/s").replace("gbit", " Gbit/s")
+  return (f"{a['optimizer']}({a['learning_rate']:g}), {rate}, "
+          f"{a.get('workers', 2)} workers, {a['steps']} steps")
+
+
+def plot(results: Sequence[dict], path: str) -> None:
+  """Draws step time and test loss against native of every configuration,
+  one group of bars per result (a run's `run()` return or --json file)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  groups = []
+  for result in results:
+    v = result["verdict"]
+    configs = list(v["step_ratio"])
+    groups.append((_label(result), configs, [v["step_ratio"][c] for c in configs],
+                   [100 * v["loss_rel"][c] for c in configs]))
+  if not any(g[1] for g in groups):
+    raise ValueError("nothing to draw: no result has native and another configuration")
+  height = 0.8
+  fig, axes = plt.subplots(1, 2, figsize=(12, 1.2 + 0.45 * sum(len(g[1]) + 1
+                                                                for g in groups)))
+  y, ticks, names = 0.0, [], []
+  for label, configs, ratios, losses in groups:
+    for config, ratio, loss in zip(configs, ratios, losses):
+      axes[0].barh(y, ratio, height, color="tab:blue")
+      axes[0].text(ratio, y, f" {ratio:.3f}x", va="center", fontsize=8)
+      axes[1].barh(y, loss, height, color="tab:red" if loss > 1 else "tab:green")
+      axes[1].text(loss, y, f" {loss:+.2f}%", va="center", fontsize=8)
+      ticks.append(y)
+      names.append(f"{config} | {label}")
+      y += 1
+    y += 0.6
+  for ax in axes:
+    ax.set_yticks(ticks)
+    ax.invert_yaxis()
+    ax.margins(x=0.2)  # room for the values printed past the bars
+  axes[0].set_yticklabels(names, fontsize=8)
+  axes[1].set_yticklabels([])
+  axes[0].axvline(1.0, color="k", lw=0.8)
+  axes[0].set_xlabel("step time / native (stock TF); below 1 is faster")
+  axes[1].axvline(0.0, color="k", lw=0.8)
+  axes[1].axvline(1.0, color="gray", lw=0.8, ls="--")
+  axes[1].set_xlabel("test loss vs native (%); dashed: +1%")
+  fig.suptitle("DLRM on an emulated link (bench/e2e_link.py), against stock TensorFlow")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def print_header(args: argparse.Namespace, shaping: Shaping, first: dict,
                  out=sys.stdout) -> None:
   n = first["table_entries"]
   delay = (args.delay if shaping.delay_emulated
            else f"{args.delay} requested, NOT emulated (no netem)")
   print(f"\nlink: {args.rate} per direction, delay {delay}, shaper {shaping.shaper}, "
-        f"{'GSO' if args.gso else 'MTU frames (gso_max_segs 1)'}; 2 workers x 1 CPU "
+        f"{'GSO' if args.gso else 'MTU frames (gso_max_segs 1)'}; {args.workers} workers x 1 CPU "
         f"replica; {args.optimizer}(lr {args.learning_rate:g}), global batch "
         f"{args.batch_size}; {args.steps} steps "
         f"({args.warmup_steps} untimed + {args.steps - args.warmup_steps} timed); "
@@ -743,8 +851,13 @@ def print_header(args: argparse.Namespace, shaping: Shaping, first: dict,
   print("native sends what stock TF sends: MLP gradients all-reduced, the embedding "
         "IndexedSlices all-gathered (one row per looked-up id); dense: ring all-reduce "
         f"of all {first['num_parameters']:,} gradient entries (table densified), "
-        f"{4 * first['num_parameters'] / 1e6:.2f} MB per worker per step each way",
-        file=out)
+        f"{8 * first['num_parameters'] * (args.workers - 1) / args.workers / 1e6:.2f} MB "
+        "per worker per step each way", file=out)
+  cores = os.cpu_count() or 1
+  if args.workers > cores:
+    print(f"- NOTE: {args.workers} one-CPU workers share {cores} cores: step times show "
+          "the shape of the run (bytes, collectives, the loss), not the speed of "
+          f"{args.workers} machines", file=out)
   out.flush()
 
 
@@ -759,7 +872,7 @@ def run(args: argparse.Namespace, testbed: Testbed, out=sys.stdout) -> dict:
     for i, config in enumerate(args.config_list):
       print(f"e2e_link: running {config} ...", file=out, flush=True)
       try:
-        raw = run_config(testbed, args, config, args.port + 2 * i, workdir)
+        raw = run_config(testbed, args, config, args.port + args.workers * i, workdir)
       except WorkerFailed as e:  # the other configurations still run
         testbed.stop_workers()
         failed[config] = str(e)
@@ -786,6 +899,8 @@ def run(args: argparse.Namespace, testbed: Testbed, out=sys.stdout) -> dict:
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=1)
+  if args.png:
+    plot([result], args.png)
   return result
 
 
@@ -797,6 +912,14 @@ def main(argv: Sequence[str] | None = None, testbed_factory: Callable = Testbed,
   except FlagError as e:
     print(f"e2e_link: error: {e}", file=sys.stderr)
     return 2
+  if args.plot_list:
+    results = []
+    for path in args.plot_list:
+      with open(path, encoding="utf-8") as f:
+        results.append(json.load(f))
+    plot(results, args.png)
+    print(f"e2e_link: drew {len(results)} run(s) to {args.png}")
+    return 0
   if geteuid() != 0:
     print("e2e_link: error: must run as root: it creates network namespaces, a veth "
           "pair and tc qdiscs (try: sudo python bench/e2e_link.py ...). Nothing was "
@@ -811,7 +934,7 @@ def main(argv: Sequence[str] | None = None, testbed_factory: Callable = Testbed,
     stale = cleanup_stale(Runner())
     print(f"e2e_link: deleted {len(stale)} stale namespace(s): {' '.join(stale)}")
     return 0
-  testbed = testbed_factory()
+  testbed = testbed_factory(num_workers=args.workers)
   try:
     with CleanupOnExit(testbed, install_signals):
       result = run(args, testbed)

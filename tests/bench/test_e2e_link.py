@@ -88,10 +88,10 @@ class FakeProcesses:
       proc.returncode = -sig
 
 
-def make_testbed(runner=None, stubborn=False):
+def make_testbed(runner=None, stubborn=False, num_workers=2):
   procs = FakeProcesses(stubborn)
   bed = e2e_link.Testbed(runner or FakeRunner(), tag="42", popen=procs.popen,
-                         killpg=procs.killpg, log=io.StringIO())
+                         killpg=procs.killpg, log=io.StringIO(), num_workers=num_workers)
   return bed, procs
 
 
@@ -136,6 +136,11 @@ def make_testbed(runner=None, stubborn=False):
     (["--port=80"], "--port"),
     (["--port=65534"], "--port"),
     (["--timeout=0"], "--timeout"),
+    (["--workers=1"], "--workers"),
+    ([f"--workers={e2e_link.MAX_WORKERS + 1}"], "--workers"),
+    (["--workers=3"], "--batch_size"),  # 256 rows do not split over 3 workers
+    (["--workers=8", "--port=65500"], "--port"),
+    (["--plot_json=/nonexistent.json", "--png=/tmp/x.png"], "--plot_json"),
 ])
 def test_bad_flag_is_named(argv, flag):
   with pytest.raises(e2e_link.FlagError, match=flag):
@@ -233,6 +238,37 @@ def test_setup_falls_back_to_tbf_and_cleanup_removes_everything():
   assert len(runner.commands) == after and len(procs.signals) == 2
 
 
+def test_four_workers_meet_at_a_shaped_bridge():
+  bed, procs = make_testbed(num_workers=4)
+  shaping = bed.setup(1e8, 0.0, "tbf")
+  runner = bed.run
+  switch = f"{e2e_link.NS_PREFIX}42_4"
+  assert bed.switch == switch
+  assert [c[-1] for c in runner.matching("netns", "add")] == bed.namespaces + [switch]
+  assert runner.matching("-n", switch, "br0", "type", "bridge")
+  assert len(runner.matching("type", "veth")) == 4
+  # Each bridge port is enslaved to br0; each worker's end is in its namespace.
+  for port in bed.ports:
+    assert runner.matching("-n", switch, port, "master", "br0")
+  for ns, dev, addr in zip(bed.namespaces, bed.veths, bed.addresses):
+    assert runner.matching("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+  # Both ends of every link shaped: what a worker sends and what it receives.
+  tbf = runner.matching("tbf")
+  assert sorted((c[2], c[6]) for c in tbf) == sorted(
+      list(zip(bed.namespaces, bed.veths)) + [(switch, p) for p in bed.ports])
+  assert len(shaping.commands) == 8
+  assert max(len(d) for d in bed.veths + bed.ports) <= 15  # IFNAMSIZ
+  for i in range(4):
+    bed.start_worker(i, ["--config=dense"], {}, os.devnull, nice=0)
+  assert len(bed.counters()) == 4
+  bed.cleanup()
+  assert sorted(c[-1] for c in runner.matching("netns", "del")) == sorted(
+      bed.namespaces + [switch])
+  assert len(procs.signals) == 4
+  # The switch namespace of a dead run is stale like the workers'.
+  assert e2e_link.stale_namespaces([switch], alive=lambda pid: False) == [switch]
+
+
 def test_netem_shapes_both_ends_with_rate_and_delay():
   bed, _ = make_testbed(FakeRunner(netem=True))
   shaping = bed.setup(1e8, 5e-4, "auto", gso=True)
@@ -293,7 +329,7 @@ def test_cleanup_runs_on_exception_and_unregisters():
       raise RuntimeError("mid-run")
   assert procs.signals == [(1000, signal.SIGTERM)]
   assert sorted(c[-1] for c in bed.run.matching("netns", "del")) == sorted(bed.namespaces)
-  assert not bed.created_namespaces and not bed.created_veth
+  assert not bed.created_namespaces and not bed.root_veths
 
 
 def test_sigterm_cleans_up_and_restores_handlers():
@@ -317,8 +353,9 @@ def test_main_cleans_up_when_the_run_fails(monkeypatch, capsys):
   monkeypatch.setattr(e2e_link.shutil, "which", lambda name: f"/usr/sbin/{name}")
   beds = []
 
-  def factory():
-    bed, _ = make_testbed(FakeRunner(fail="tbf", error="RTNETLINK answers: busy"))
+  def factory(num_workers):
+    bed, _ = make_testbed(FakeRunner(fail="tbf", error="RTNETLINK answers: busy"),
+                          num_workers=num_workers)
     beds.append(bed)
     return bed
 
@@ -393,3 +430,34 @@ def test_report_ratios_vs_native_first():
   verdict = e2e_link.report(rows[1:], e2e_link.parse_args([]), shaping, out)
   assert verdict["step_ratio"] == {}
   assert "no native configuration in --configs" in out.getvalue()
+
+
+def _result(rate, optimizer, ratios, losses):
+  return {"args": {"rate": rate, "optimizer": optimizer, "learning_rate": 1e-3,
+                   "workers": 2, "steps": 100},
+          "verdict": {"step_ratio": ratios, "loss_rel": losses}}
+
+
+def test_plot_json_draws_without_root(tmp_path, capsys):
+  pytest.importorskip("matplotlib")
+  paths = []
+  for i, rate in enumerate(("100mbit", "1gbit")):
+    paths.append(str(tmp_path / f"r{i}.json"))
+    with open(paths[-1], "w", encoding="utf-8") as f:
+      json.dump(_result(rate, "adam", {"dctdp": 0.5 + i / 4}, {"dctdp": 0.012}), f)
+  png = str(tmp_path / "fig.png")
+  status = e2e_link.main([f"--plot_json={','.join(paths)}", f"--png={png}"],
+                         geteuid=lambda: 1000)
+  assert status == 0
+  assert "drew 2 run(s)" in capsys.readouterr().out
+  with open(png, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert e2e_link._label(_result("100mbit", "adam", {}, {})) == (
+      "adam(0.001), 100 Mbit/s, 2 workers, 100 steps")
+  with pytest.raises(ValueError, match="nothing to draw"):
+    e2e_link.plot([_result("1gbit", "sgd", {}, {})], png)
+
+
+def test_plot_json_needs_png():
+  with pytest.raises(e2e_link.FlagError, match="--plot_json needs --png"):
+    e2e_link.parse_args(["--plot_json=a.json"])
