@@ -1066,5 +1066,10 @@ def data_error_in(error: tf.errors.OpError) -> str | None:
   return found.group(1).strip().strip("'\"") if found else None
 
 
-if __name__ == "__main__":
+def run() -> None:
+  """Entry point of the `tf-dct-train` console script."""
   app.run(main)
+
+
+if __name__ == "__main__":
+  run()
