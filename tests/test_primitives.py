@@ -3,6 +3,7 @@
 import re
 
 from absl.testing import parameterized
+import keras
 import numpy as np
 import tensorflow as tf
 import tf_keras
@@ -71,6 +72,28 @@ class PrimitivesTest(tf.test.TestCase, parameterized.TestCase):
       return self.repl.all_gather(tf.fill([r + 1, 2], float(r)), axis=0)
     want = np.concatenate([np.full([r + 1, 2], float(r), np.float32) for r in range(N)])
     self._all_equal(self._run(fn), want)
+
+  def test_a_keras3_variable_as_its_tf_variable(self):
+    # Eagerly too: TF's own eager all_gather returns a Keras 3 variable as it is.
+    repl = self.repl
+    with repl.scope():
+      v = keras.Variable(np.arange(6, dtype=np.float32).reshape(2, 3), name="v")
+    calls = {
+        "all_reduce": lambda x: repl.all_reduce(x, "max"),
+        "all_sum": repl.all_sum,
+        "all_gather": repl.all_gather,
+        "all_gather(axis=-1)": lambda x: repl.all_gather(x, axis=-1),
+        "broadcast": lambda x: repl.broadcast(x, 1),
+        "map_gather": lambda x: repl.map_gather(tf.identity, x),
+    }
+    for name, call in calls.items():
+      want = util.local(repl, repl.run(call, args=(v.value,)))
+      got = util.local(repl, repl.run(call, args=(v,)))
+      self.assertLen(got, N)
+      for g, w in zip(got, want):
+        self.assertAllEqual(g, w, msg=name)
+      if name == "all_gather":
+        self.assertAllEqual(got[0], np.tile(v.numpy(), [N, 1]))
 
   @parameterized.parameters(0, 2, 3)
   def test_broadcast(self, source):

@@ -221,7 +221,9 @@ def all_gather(x, axis: int = 0, *, strategy=None):
   checked = [one(t) for t in tf.nest.flatten(x)]
   _check_replicas_agree(ctx, "all_gather", "x", x, gather_axis=axis)
   if axis >= 0:  # one batched collective for the whole structure
-    return ctx.all_gather(x, axis=axis)
+    # The converted tensors: eagerly, TF returns a Keras 3 variable as it is.
+    return ctx.all_gather(
+        tf.nest.pack_sequence_as(x, [t for t, _ in checked]), axis=axis)
   # TF's collective gather takes only non-negative axes.
   return tf.nest.pack_sequence_as(
       x, [ctx.all_gather(t, axis=a) for t, a in checked])

@@ -434,14 +434,151 @@ class SparseGradientsKerasTest(tf.test.TestCase, parameterized.TestCase):
       for _ in range(3):
         repl.run(step_fn, input_fn)
       table = model.trainable_variables[0]
-      backing = table.value if isinstance(table, keras.Variable) else table
       if label == "dct":
-        self.assertTrue(compressor.sends_as_is(backing))
-        self.assertFalse(compressor.corrects_optimizer(backing))
+        self.assertTrue(compressor.sends_as_is(table))
+        self.assertFalse(compressor.corrects_optimizer(table))
       weights[label] = [np.asarray(v) for v in model.trainable_variables]
     self.assertLen(weights["dct"], 1)
     self.assertAllClose(weights["dct"][0], weights["dense"][0], atol=1e-7,
                         rtol=1e-6)
+
+
+
+class Keras3VariableTest(tf.test.TestCase, parameterized.TestCase):
+  """Every public method that takes a variable accepts a Keras 3 variable
+  and answers as for the tf.Variable behind it (what the aggregation sees)."""
+
+  @parameterized.named_parameters(
+      ("sgd", lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+      ("adam", lambda: keras.optimizers.Adam(0.01)))
+  def test_lookups_match_the_backing_variable(self, make_optimizer):
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(REPLICAS)])
+    with repl.scope():
+      keras.utils.set_random_seed(1)
+      model = keras.Sequential([keras.Input((4,)),
+                                keras.layers.Dense(8, name="body"),
+                                keras.layers.Dense(1, name="head")])
+      compressor = compression.DCTDP(sparsity=0.5, min_count=0,
+                                     exclude=("/head/",),
+                                     dense_gradients="compress")
+      opt = repl.wrap_optimizer(make_optimizer(), compressor)
+    variables = model.trainable_variables
+    self.assertIsInstance(variables[0], keras.Variable)
+    compressor.create_states(variables)
+    opt.build(variables)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    y = rng.normal(size=(8, 1)).astype(np.float32)
+
+    def input_fn(ctx):
+      del ctx
+      return util.without_autotune(
+          tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat())
+
+    step_fn = util.squared_error_step(model, opt, 8)
+    for _ in range(2):
+      repl.run(step_fn, input_fn)
+    for v in variables:
+      backing = v.value
+      self.assertIsInstance(backing, tf.Variable)
+      self.assertIs(compression.base.as_tf_variable(v, "test"), backing)
+      head = v.path.startswith(f"{model.name}/head/")
+      self.assertEqual(compressor.is_excluded(v), head)
+      self.assertEqual(compressor.is_excluded(backing), head)
+      for method in ("sends_as_is", "sends_whole", "corrects_momentum",
+                     "corrects_optimizer", "check_variable"):
+        self.assertEqual(getattr(compressor, method)(v),
+                         getattr(compressor, method)(backing), method)
+      self.assertEqual(compressor.dense_is_cheaper(v, REPLICAS),
+                       compressor.dense_is_cheaper(backing, REPLICAS))
+      self.assertIs(compressor.state_for(v), compressor.state_for(backing))
+      got, want = compressor.state_values(v), compressor.state_values(backing)
+      self.assertEqual(sorted(got), sorted(want))
+      for key in want:
+        self.assertAllEqual(got[key], want[key])
+      if head:
+        self.assertEqual(got, {})
+      else:
+        self.assertTrue(compressor.corrects_optimizer(v))
+        self.assertGreater(np.abs(got["residual"]).sum(), 0)
+    # One state per variable: the Keras 3 variables and the aggregation's
+    # tf.Variables keyed the same entries.
+    self.assertLen(compressor.state, len(variables))
+
+  @parameterized.named_parameters(*[(name, name) for name in COMPRESSORS])
+  def test_byte_model(self, name):
+    compressor = COMPRESSORS[name](exclude=("bias",))
+    for shape in ([8], [40, 4]):
+      for var_name in ("bias", "kernel"):
+        v = keras.Variable(np.zeros(shape, np.float32), name=var_name)
+        self.assertEqual(compressor.compressed_bytes(v),
+                         compressor.compressed_bytes(v.value))
+        self.assertEqual(compressor.check_variable(v), np.prod(shape))
+        self.assertEqual(compressor.is_excluded(v), var_name == "bias")
+        for replicas in (2, 8):
+          self.assertEqual(compressor.dense_is_cheaper(v, replicas),
+                           compressor.dense_is_cheaper(v.value, replicas))
+        grad = tf.IndexedSlices(tf.zeros([3] + shape[1:]), tf.range(3),
+                                tf.constant(shape))
+        self.assertEqual(compressor.stock_is_cheaper(grad, v, REPLICAS),
+                         compressor.stock_is_cheaper(grad, v.value, REPLICAS))
+
+  def test_aggregate_takes_a_keras3_variable(self):
+    # One compressor is given the Keras 3 variable, another its tf.Variable:
+    # same sums, and each gets back the variable it passed.
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(REPLICAS)],
+                             input_replication=tf_dct.PER_REPLICA)
+    given, backing = (compression.DCTDP(sparsity=0.8, min_count=0,
+                                        dense_gradients="compress")
+                      for _ in range(2))
+    for c in (given, backing):
+      c.bind(repl)
+    with repl.scope():
+      w = keras.Variable(np.zeros([N], np.float32), name="w")
+    feed = np.random.default_rng(3).normal(
+        size=(STEPS, REPLICAS, N)).astype(np.float32)
+
+    def input_fn(replica_id):
+      return util.without_autotune(
+          tf.data.Dataset.from_tensor_slices(feed[:, replica_id]))
+
+    def step_fn(g):
+      ((out, var),) = given.aggregate([(g, w)])
+      self.assertIs(var, w)
+      ((want, var),) = backing.aggregate([(g, w.value)])
+      self.assertIs(var, w.value)
+      return out, want
+
+    for _ in range(STEPS):
+      for out, want in util.local(repl, repl.run(step_fn, input_fn)):
+        self.assertAllEqual(out, want)
+    self.assertAllEqual(given.state_values(w)["residual"],
+                        backing.state_values(w)["residual"])
+    self.assertGreater(np.abs(given.state_values(w)["residual"]).sum(), 0)
+
+  def test_not_a_variable(self):
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(REPLICAS)])
+    compressor = compression.DCTDP()
+    compressor.bind(repl)
+    with self.assertRaisesRegex(
+        TypeError, r"^DCTDP: variable must be a tf.Variable or a Keras 3 "
+        r"variable \(keras.Variable\), got str$"):
+      compressor.state_values("kernel")
+    with self.assertRaisesRegex(TypeError, "DCTDP: variables must be .* got "
+                                "EagerTensor"):
+      compressor.create_states([tf.zeros([3])])
+    with self.assertRaisesRegex(TypeError, "DCTDP: grads_and_vars must be "):
+      repl.run(lambda: compressor.aggregate([(tf.zeros([3]), tf.zeros([3]))]))
+    self.assertEqual(compressor.state, {})
+    # A Keras 3 variable whose value is not its tf.Variable (here in a
+    # stateless scope) is named, not looked up by the tensor it reads as.
+    v = keras.Variable(np.zeros([3], np.float32), name="v")
+    with keras.StatelessScope(state_mapping=[(v, tf.ones([3]))]):
+      with self.assertRaisesRegex(
+          TypeError, r"DCTDP: variable 'v' is a Keras 3 variable whose value "
+          r"is not a tf.Variable but \w+; look it up outside autocast and "
+          "stateless scopes"):
+        compressor.state_for(v)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import numbers
 import re
+import sys
 import threading
 from typing import Sequence
 
@@ -88,13 +89,33 @@ SPARSE_GRADIENTS = ("auto", "stock", "compress")
 DENSE_GRADIENTS = ("auto", "compress")
 
 
-def as_tf_variable(variable):
-  """`variable`, or the tf.Variable behind a Keras 3 variable (what the
-  aggregation sees), so public lookups accept either."""
-  if hasattr(variable, "ref"):
+def as_tf_variable(variable, owner: str, arg: str = "variable") -> tf.Variable:
+  """The tf.Variable that `variable` stands for: itself, or the one behind a
+  Keras 3 variable.
+
+  Keras 3 optimizers aggregate and apply through each `keras.Variable`'s
+  `value`, the tf.Variable it wraps under the TensorFlow backend; state,
+  per-variable decisions and `exclude` are keyed by that tf.Variable (and
+  its name, the Keras 3 variable's `path`), so the public methods that take
+  a variable accept either and give the same answer.
+
+  Raises:
+    TypeError: `variable` is neither, naming `owner` and `arg`.
+  """
+  if isinstance(variable, tf.Variable):
     return variable
-  value = getattr(variable, "value", None)
-  return value if hasattr(value, "ref") else variable
+  keras = sys.modules.get("keras")  # a Keras 3 variable means keras is loaded
+  keras_variable = getattr(keras, "Variable", None)
+  if keras_variable is not None and isinstance(variable, keras_variable):
+    value = variable.value
+    if isinstance(value, tf.Variable):
+      return value
+    raise TypeError(
+        f"{owner}: {arg} {variable.path!r} is a Keras 3 variable whose value "
+        f"is not a tf.Variable but {type(value).__name__}; look it up outside "
+        "autocast and stateless scopes")
+  raise TypeError(f"{owner}: {arg} must be a tf.Variable or a Keras 3 "
+                  f"variable (keras.Variable), got {type(variable).__name__}")
 
 
 def sum_per_dtype(ctx: tf.distribute.ReplicaContext, values: Sequence) -> list:
@@ -437,9 +458,14 @@ class Compressor(tf.Module):
 
   # -- shared machinery -----------------------------------------------------------
 
+  def _tf_variable(self, variable, arg: str = "variable") -> tf.Variable:
+    """`as_tf_variable` with this compressor named in its error."""
+    return as_tf_variable(variable, type(self).__name__, arg)
+
   def is_excluded(self, variable: tf.Variable) -> bool:
-    """Whether `variable`'s name matches a pattern of `exclude`."""
-    name = variable.name.split(":")[0]
+    """Whether `variable`'s name matches a pattern of `exclude` (a Keras 3
+    variable: its `path`, the name of its tf.Variable)."""
+    name = self._tf_variable(variable).name.split(":")[0]
     return any(p.search(name) for p in self._exclude)
 
   def reduce_as_is(self, ctx: tf.distribute.ReplicaContext,
@@ -571,6 +597,7 @@ class Compressor(tf.Module):
       ValueError: its shape is not static, or N exceeds `max_size` (named).
     """
     owner = type(self).__name__
+    variable = self._tf_variable(variable)
     if variable.dtype.name not in self.supported_dtypes:
       raise TypeError(f"{owner}: variable {variable.name!r} has dtype "
                       f"{variable.dtype.name}; supported dtypes: "
@@ -590,21 +617,23 @@ class Compressor(tf.Module):
     A wrapped optimizer's `build(variables)` calls this, so building the
     optimizer before the first step (`opt.build(model.trainable_variables)`)
     means a checkpoint restore fills the state at once and the first step
-    traces once (no variables are created inside it).
+    traces once (no variables are created inside it). `variables`:
+    tf.Variables or Keras 3 variables.
     """
-    self._states_for(list(variables))
+    self._states_for([self._tf_variable(v, "variables")
+                      for v in variables])
 
   def state_for(self, variable: tf.Variable) -> dict:
     """The per-replica state of `variable` (created on first use); a Keras 3
     variable or its backing tf.Variable."""
-    return self._states_for([as_tf_variable(variable)])[0]
+    return self._states_for([self._tf_variable(variable)])[0]
 
   def state_values(self, variable: tf.Variable) -> dict:
     """This worker's values of `variable`'s state, by name: per local
     replica, in local replica order (numpy). The packed `scalars` come back
     as the scalars they hold (`scalar_dtypes`), each of its own dtype.
     `variable`: a tf.Variable or a Keras 3 variable."""
-    variable = as_tf_variable(variable)
+    variable = self._tf_variable(variable)
     out = {key: s.numpy() for key, s in self.state_for(variable).items()}
     if "scalars" in out:
       rows = np.asarray(out.pop("scalars"))
@@ -696,13 +725,13 @@ class Compressor(tf.Module):
     """Whether `variable` is all-reduced (or all-gathered) as it is, with no
     state: excluded by name, or its sparse gradient sent as stock TF sends
     it (`sparse_gradients`, decided at its first gradient)."""
-    variable = as_tf_variable(variable)
+    variable = self._tf_variable(variable)
     return self._as_is.get(variable.ref(), self.is_excluded(variable))
 
   def sends_whole(self, variable) -> bool:
     """Whether `variable`'s accumulator is all-reduced whole on compressed
     steps (`dense_gradients`, decided at its first gradient)."""
-    return self._whole.get(as_tf_variable(variable).ref(), False)
+    return self._whole.get(self._tf_variable(variable).ref(), False)
 
   def _sparse_as_is(self, grad, variable) -> bool:
     """The `sparse_gradients` choice for `variable`, from its first gradient."""
@@ -737,6 +766,7 @@ class Compressor(tf.Module):
     ring model of `accounting`). Adam correction's side channel is sent
     either way and does not count. False when the compressor's bytes are
     not known statically."""
+    variable = self._tf_variable(variable)
     cost = self._exchange_cost(variable, num_replicas)
     if cost is None:
       return False
@@ -761,6 +791,7 @@ class Compressor(tf.Module):
     (`compressed_bytes`, ring model of `accounting`; "auto" asks with at
     least 2 replicas, as with one nothing moves). False when either is
     unknown statically (the row count, or the compressor's bytes)."""
+    variable = self._tf_variable(variable)
     rows = grad.indices.shape.num_elements()
     compressed = self._exchange_cost(variable, num_replicas)
     if rows is None or compressed is None:
@@ -775,7 +806,7 @@ class Compressor(tf.Module):
     """(P, M): bytes one replica gathers and all-reduces for `variable` on a
     compressed step (`record`'s byte model); None when not known statically,
     and then `sparse_gradients` and `dense_gradients` "auto" compress the
-    variable."""
+    variable. An override takes a Keras 3 variable too (`_tf_variable`)."""
     del variable
     return None
 
@@ -953,7 +984,8 @@ class Compressor(tf.Module):
     ctx = tf.distribute.get_replica_context()
     if ctx is None or tf.distribute.in_cross_replica_context():
       return grads_and_vars
-    pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+    pairs = [(g, self._tf_variable(v, "grads_and_vars"))
+             for g, v in grads_and_vars if g is not None]
     if not pairs:
       return grads_and_vars
     states = self._states_for([v for _, v in pairs])  # keys in this order

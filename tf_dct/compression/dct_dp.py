@@ -377,6 +377,7 @@ class DCTDP(Compressor):
     return n == 0 or n < self.min_size
 
   def compressed_bytes(self, variable):
+    variable = self._tf_variable(variable)
     n = variable.shape.num_elements()
     if self._is_dense(variable):
       return 0, n * variable.dtype.size

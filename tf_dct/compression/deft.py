@@ -360,6 +360,7 @@ class DEFT(Compressor):
     """DEFT's budget is shared by the whole model, so a variable's share of
     the union slots is known only in the step; its own budget k_total at
     `density` (positions and values all-reduced) stands for it."""
+    variable = self._tf_variable(variable)
     n = variable.shape.num_elements()
     if self._is_dense(variable):
       return 0, n * variable.dtype.size

@@ -119,6 +119,7 @@ class ErrorFeedbackCompressor(Compressor):
     return () if self._is_dense(variable) else ("overflow",)
 
   def compressed_bytes(self, variable):
+    variable = self._tf_variable(variable)
     n = variable.shape.num_elements()
     if self._is_dense(variable):
       return 0, n * variable.dtype.size

@@ -27,12 +27,9 @@ class AggregateWithCompressor:
   def build(self, variables):
     with keras_adapters.in_replicator_scope(self._tf_dct_compressor.replicator):
       super().build(variables)
-    import keras  # pylint: disable=g-import-not-at-top
-    # The aggregation sees the backing tf.Variables (`_backend_update_step`).
-    backing = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     compressor = self._tf_dct_compressor
-    compressor.create_states(backing)
-    self._tf_dct_plain = {_private.keras3_var_key(self, v) for v in backing
+    compressor.create_states(variables)
+    self._tf_dct_plain = {_private.keras3_var_key(self, v) for v in variables
                           if compressor.corrects_optimizer(v)}
 
   def update_step(self, gradient, variable, learning_rate):
