@@ -237,6 +237,9 @@ class ModelsTest(tf.test.TestCase):
     s = train.train(_cfg(model="ncf", compression="deft", **TWO_REPLICAS))
     _assert_learns(self, s)
     self.assertIn("hr@10", s["eval"])
+    self.assertIn("ndcg@10", s["eval"])
+    self.assertLessEqual(s["eval"]["ndcg@10"], s["eval"]["hr@10"])
+    self.assertIn("loss", s["eval"])
 
   def test_lstm_lm_cltk(self):
     s = train.train(_cfg(model="lstm_lm", compression="cltk", **TWO_REPLICAS))
