@@ -2,8 +2,9 @@
 
 Two file formats are read: `ratings.csv` (MovieLens 20M/25M: a header, then
 `userId,movieId,rating,timestamp`) and `u.data` (MovieLens 100K: tab-separated
-`user item rating timestamp`, no header). Malformed rows raise a DataError
-naming `path:line`. Every rating counts as one positive interaction (as in the
+`user item rating timestamp`, no header). A file of plain rows is parsed at
+once with numpy; anything else (and a file with a malformed row) is read line
+by line, and a malformed row raises a DataError naming `path:line`. Every rating counts as one positive interaction (as in the
 NCF paper); ids are remapped to contiguous ranges; the latest interaction of
 each user is held out for testing (leave-one-out), and ranked against sampled
 items the user never interacted with.
