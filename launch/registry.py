@@ -69,6 +69,10 @@ class ModelSpec:
       (so the launcher can place the layers after them on another device).
     takes_data_dir: whether real data can be read from --data_dir.
     fit_metrics: metrics for `model.compile` in --loop=fit.
+    checkpoint_input: the training dataset's iterator can be checkpointed
+      (no Python generator, no shuffle buffer holding the whole data set), so
+      the custom loop saves its position instead of skipping batches on a
+      resume.
   """
 
   name: str
@@ -85,6 +89,7 @@ class ModelSpec:
   top_level_splits: bool = False
   takes_data_dir: bool = True
   fit_metrics: Callable[[Any], list] | None = None
+  checkpoint_input: bool = False
   # --- hooks, (spec, cfg, ...) -> ...; see the functions below -------------
   build_fn: Callable[..., Any] | None = None
   dataset_fn: Callable[..., Any] | None = None
@@ -304,7 +309,7 @@ SPECS: dict[str, ModelSpec] = {
                         "adagrad": 0.1},
         local_learning_rates={"sgd": 0.05, "momentum": 0.02, "adam": 1e-2, "adamw": 1e-2,
                               "adagrad": 0.1},
-        metric="mse", takes_data_dir=False,
+        metric="mse", takes_data_dir=False, checkpoint_input=True,
         build_fn=_mlp_build, dataset_fn=_mlp_dataset, evaluate_fn=_mlp_evaluate,
         loss_fn=_mse),
     "dlrm": ModelSpec(
@@ -320,7 +325,7 @@ SPECS: dict[str, ModelSpec] = {
         local_learning_rates={"sgd": 0.5, "momentum": 0.05, "adam": 0.02, "adamw": 0.02,
                               "adagrad": 0.1},
         metric="auc", has_splits=True, paper_splits=("bottom_1", "top_1"),
-        top_level_splits=True, fit_metrics=_dlrm_metrics,
+        top_level_splits=True, fit_metrics=_dlrm_metrics, checkpoint_input=True,
         build_fn=_dlrm_build, dataset_fn=_dlrm_dataset, evaluate_fn=_dlrm_evaluate,
         points_fn=_dlrm_points, loss_fn=_module_loss),
     "ncf": ModelSpec(

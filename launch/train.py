@@ -600,6 +600,7 @@ class Job:
     self.placement: dict[str, int] = {}
     self.manager = self.writer = None
     self.restored_from = None
+    self.input_restored = False  # the checkpoint holds the input's position
 
   # -- setup ------------------------------------------------------------------
 
@@ -669,6 +670,9 @@ class Job:
       if self.manager.latest_checkpoint:
         self.ckpt.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
         self.restored_from = self.manager.latest_checkpoint
+        self.input_restored = (cfg["loop"] == "custom" and spec.checkpoint_input and any(
+            name.startswith(self._input_key() + "/")
+            for name, _ in tf.train.list_variables(self.restored_from)))
         print(f"restored {self.restored_from} at step {int(self.step.numpy())}", flush=True)
       self.writer = tf.summary.create_file_writer(model_dir)
     return self
@@ -683,18 +687,44 @@ class Job:
 
   # -- data ---------------------------------------------------------------------
 
-  def _dataset(self, batch_size: int, ctx: tf.distribute.InputContext | None = None):
+  def _dataset(self, batch_size: int, ctx: tf.distribute.InputContext | None = None,
+               *, skip: bool = True):
     """Global (or, with several workers, this worker's) batches, from `step` on.
 
-    Resuming skips the batches the finished steps consumed, so a resumed run
-    sees the same stream as an uninterrupted one (the skipped batches are
-    generated and dropped, a cost proportional to the step).
+    Resuming skips the batches the finished steps consumed (with `skip`), so
+    a resumed run sees the same stream as an uninterrupted one (the skipped
+    batches are generated and dropped, a cost proportional to the step).
     """
     cfg = dict(self.cfg, batch_size=batch_size)
     ds = self.spec.dataset(cfg)
     if ctx is not None and ctx.num_input_pipelines > 1:
       ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-    return ds.skip(int(self.step.numpy()))
+    return ds.skip(int(self.step.numpy())) if skip else ds
+
+  def _input(self, ctx: tf.distribute.InputContext):
+    """The custom loop's input: a dataset, or a callable giving the next batch.
+
+    For a model whose input iterator can be checkpointed
+    (`ModelSpec.checkpoint_input`) the iterator joins the checkpoint under
+    `_input_key()`: a resume restores its position (TensorFlow restores it as
+    it is attached) instead of skipping the consumed batches. A checkpoint
+    without it (another model or batch size, `--loop=fit`) is resumed by
+    skipping.
+    """
+    per_worker = self.cfg["batch_size"] // self.num_workers
+    ds = self._dataset(per_worker, ctx if self.num_workers > 1 else None,
+                       skip=not self.input_restored)
+    if not self.spec.checkpoint_input:
+      return ds
+    with tf.init_scope(), tf.device("/cpu:0"):
+      iterator = iter(ds)
+    setattr(self.ckpt, self._input_key(), iterator)
+    return lambda: next(iterator)
+
+  def _input_key(self) -> str:
+    """The input iterator's name in the checkpoint; it holds batches already
+    made (prefetched), so a resume with another batch size skips instead."""
+    return f"input_batch_{self.cfg['batch_size'] // self.num_workers}"
 
   # -- loops --------------------------------------------------------------------
 
@@ -723,13 +753,8 @@ class Job:
   def _run_custom(self):
     cfg, repl, model, spec = self.cfg, self.repl, self.model, self.spec
     global_batch = cfg["batch_size"]
-    per_worker = global_batch // self.num_workers
-    dataset = None
-    if self.num_workers == 1:
-      dataset = self._dataset(global_batch)
     # The same input_fn object every step (Replicator.run caches per object).
-    input_fn = ((lambda ctx: dataset) if dataset is not None
-                else (lambda ctx: self._dataset(per_worker, ctx)))
+    input_fn = self._input
     model_parallel = repl.num_devices_per_replica > 1
     variables = model.trainable_variables
     num_replicas = repl.num_replicas

@@ -3,8 +3,8 @@
 A GMF tower (element-wise product of user and item embeddings) and an MLP
 tower (concatenated embeddings through ReLU layers) are joined by one sigmoid
 unit. Trained with binary cross-entropy on observed interactions plus sampled
-negatives; evaluated by HR@10 of each user's held-out item against 99 sampled
-items the user never interacted with.
+negatives; evaluated by HR@10 and NDCG@10 of each user's held-out item against
+99 sampled items the user never interacted with, and by the loss on them.
 """
 
 from __future__ import annotations
@@ -109,6 +109,38 @@ def metrics() -> list[tf_keras.metrics.Metric]:
 Scorer = Callable[[tuple[tf.Tensor, tf.Tensor]], tf.Tensor]
 
 
+def _check_k(k) -> None:
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+    raise ValueError(f"k (the ranking cut-off) must be an int >= 1, got {k!r}")
+
+
+def candidate_scores(model: Scorer, data: movielens.EvalData,
+                     batch_size: int = 100_000) -> np.ndarray:
+  """The model's score of every candidate, [users, 1 + negatives].
+
+  Args:
+    model: maps `(users [N] int32, items [N] int32)` to scores [N] or [N, 1].
+    data: candidates; `data.items[:, 0]` is the positive.
+    batch_size: pairs scored per model call.
+  """
+  num_users, width = data.items.shape
+  users = np.repeat(data.users, width).astype(np.int32)
+  items = data.items.reshape(-1).astype(np.int32)
+  return np.concatenate([
+      np.reshape(np.asarray(model((tf.constant(users[s:s + batch_size]),
+                                   tf.constant(items[s:s + batch_size])))), [-1])
+      for s in range(0, len(users), batch_size)]).reshape(num_users, width)
+
+
+def positive_ranks(scores: np.ndarray) -> np.ndarray:
+  """0-based rank of each row's positive (column 0) among its candidates.
+
+  Ties count against the positive: the rank is the number of negatives that
+  score at least as high, so a constant model ranks every positive last.
+  """
+  return np.sum(scores[:, 1:] >= scores[:, :1], axis=1)
+
+
 def hit_rate_at_k(model: Scorer, data: movielens.EvalData, k: int = 10,
                   batch_size: int = 100_000) -> float:
   """Fraction of users whose held-out item ranks in the top k of its candidates.
@@ -123,19 +155,34 @@ def hit_rate_at_k(model: Scorer, data: movielens.EvalData, k: int = 10,
     k: cut-off.
     batch_size: pairs scored per model call.
   """
-  num_users, width = data.items.shape
-  users = np.repeat(data.users, width).astype(np.int32)
-  items = data.items.reshape(-1).astype(np.int32)
-  scores = np.concatenate([
-      np.reshape(np.asarray(model((tf.constant(users[s:s + batch_size]),
-                                   tf.constant(items[s:s + batch_size])))), [-1])
-      for s in range(0, len(users), batch_size)]).reshape(num_users, width)
-  beaten_by = np.sum(scores[:, 1:] >= scores[:, :1], axis=1)
-  return float(np.mean(beaten_by < k))
+  _check_k(k)
+  return float(np.mean(positive_ranks(candidate_scores(model, data, batch_size)) < k))
+
+
+def ndcg_at_k(ranks: np.ndarray, k: int = 10) -> float:
+  """Mean NDCG@k of one relevant item per user at the given 0-based ranks.
+
+  With a single relevant item the ideal DCG is 1, so a user contributes
+  `1 / log2(rank + 2)` when its item ranks in the top k and 0 otherwise.
+  """
+  _check_k(k)
+  ranks = np.asarray(ranks)
+  return float(np.mean(np.where(ranks < k, 1.0 / np.log2(ranks + 2.0), 0.0)))
 
 
 def evaluate(model: tf_keras.Model, batch_size: int = 100_000, seed: int = 0,
              data_dir: str | None = None, k: int = 10) -> dict[str, float]:
-  """HR@k on the held-out items with 99 sampled negatives each."""
+  """HR@k, NDCG@k and the loss on the held-out items with 99 negatives each.
+
+  The loss is the mean binary cross-entropy over all candidates: label 1
+  for each held-out item, 0 for its sampled negatives.
+  """
+  _check_k(k)
   data = make_eval_data(seed, data_dir)
-  return {f"hr@{k}": hit_rate_at_k(lambda x: model(x, training=False), data, k, batch_size)}
+  scores = candidate_scores(lambda x: model(x, training=False), data, batch_size)
+  ranks = positive_ranks(scores)
+  labels = np.zeros_like(scores)
+  labels[:, 0] = 1.0
+  bce = loss(labels.reshape(-1, 1), scores.reshape(-1, 1))
+  return {f"hr@{k}": float(np.mean(ranks < k)), f"ndcg@{k}": ndcg_at_k(ranks, k),
+          "loss": float(np.mean(bce))}

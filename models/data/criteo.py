@@ -11,9 +11,12 @@ empty. Both sources yield batches `((dense, sparse), label)` with
 
 Malformed rows (wrong column count, a non-integer count, a label other than 0
 or 1) are reported as `path:line`. Files up to `eager_check_bytes` are checked
-by a Python pass when the dataset is built (`DataError`, a ValueError); every file is also
+when the dataset is built (`DataError`, a ValueError); every file is also
 checked inside the pipeline, so a bad row in a big file fails when it is read
 (`tf.errors.InvalidArgumentError` with the same `path:line: reason` text).
+Both checks match whole lines against one regular expression in TensorFlow and
+look for the line and the reason only once a batch fails; rows are then parsed
+by `tf.io.decode_csv`.
 """
 
 from __future__ import annotations
@@ -35,8 +38,14 @@ SYNTHETIC_VOCAB_SIZE = 1000  # per categorical feature, synthetic data
 CRITEO_VOCAB_SIZE = 100_000  # per categorical feature, hashed real data
 EAGER_CHECK_BYTES = 64 << 20
 
-_INT_RE = re.compile(r"-?[0-9]*")
-_INT_PATTERN = r"-?[0-9]*"
+# An integer count (optionally negative) or an empty field.
+_INT_PATTERN = r"(?:-?[0-9]+)?"
+_INT_RE = re.compile(_INT_PATTERN)
+# A whole well-formed row (non-capturing, so RE2 checks it with its fast DFA).
+_ROW_PATTERN = (rf"[01](?:\t{_INT_PATTERN}){{{NUM_DENSE}}}"
+                rf"(?:\t[^\t]*){{{NUM_SPARSE}}}")
+# Lines per batch of the eager check.
+_CHECK_BATCH = 1 << 16
 
 
 def vocab_list(vocab_sizes: int | Sequence[int]) -> list[int]:
@@ -62,7 +71,15 @@ def check_row(line: str) -> str | None:
 
 
 def check_file(path: str) -> None:
-  """Raises DataError naming `path:line` at the first malformed row."""
+  """Raises DataError naming `path:line` at the first malformed row.
+
+  The rows are matched in TensorFlow, a batch at a time; only a file with a
+  bad row is read again line by line, to name it.
+  """
+  valid = tf.data.TextLineDataset(path).batch(_CHECK_BATCH).map(
+      lambda lines: tf.reduce_all(tf.strings.regex_full_match(lines, _ROW_PATTERN)))
+  if all(bool(ok) for ok in valid):
+    return
   with open(path, encoding="utf-8", newline="") as f:
     for number, line in enumerate(f, start=1):
       reason = check_row(line)
@@ -73,43 +90,48 @@ def check_file(path: str) -> None:
         raise DataError(f"{path}:{number}: {reason}")
 
 
+def _reason(line: tf.Tensor) -> tf.Tensor:
+  """`check_row` in graph ops, for one line known to be malformed."""
+  fields = tf.strings.split(line, "\t")
+  count = tf.size(fields, out_type=tf.int64)
+  num = tf.strings.as_string
+
+  def bad_int():
+    ints = fields[1:1 + NUM_DENSE]
+    col = tf.argmin(tf.cast(tf.strings.regex_full_match(ints, _INT_PATTERN), tf.int32))
+    return tf.strings.join(["integer feature I", num(col + 1), " is not an integer: `",
+                            ints[col], "`"])
+
+  return tf.case([
+      (tf.not_equal(count, NUM_COLUMNS), lambda: tf.strings.join([
+          f"expected {NUM_COLUMNS} tab-separated fields, got ", num(count)])),
+      (tf.logical_not(tf.strings.regex_full_match(fields[0], "[01]")),
+       lambda: tf.strings.join(["label must be 0 or 1, got `", fields[0], "`"])),
+  ], default=bad_int)
+
+
 def _parse_lines(lines: tf.Tensor, numbers: tf.Tensor, path: tf.Tensor,
                  vocab_sizes: Sequence[int]):
-  """Parses a batch of raw lines; asserts they are well formed."""
-  lines = tf.strings.regex_replace(lines, "\r$", "")
-  ragged = tf.strings.split(lines, "\t")
-  counts = ragged.row_lengths()
-  fields = ragged.to_tensor(default_value="", shape=[None, NUM_COLUMNS])
-  label_s, ints_s, cats = (fields[:, 0], fields[:, 1:1 + NUM_DENSE],
-                           fields[:, 1 + NUM_DENSE:])
-  count_ok = tf.equal(counts, NUM_COLUMNS)
-  label_ok = tf.logical_or(tf.equal(label_s, "0"), tf.equal(label_s, "1"))
-  int_ok = tf.strings.regex_full_match(ints_s, _INT_PATTERN)
-  ok = count_ok & label_ok & tf.reduce_all(int_ok, axis=1)
+  """Parses a batch of raw lines with `tf.io.decode_csv`; asserts they are
+  well formed first (naming `path:line` of the first bad one)."""
+  ok = tf.strings.regex_full_match(lines, _ROW_PATTERN)
 
   def report():
     i = tf.argmin(tf.cast(ok, tf.int32))
-    col = tf.argmin(tf.cast(int_ok[i], tf.int32))
-    num = tf.strings.as_string
-    reason = tf.case([
-        (tf.logical_not(count_ok[i]), lambda: tf.strings.join([
-            f"expected {NUM_COLUMNS} tab-separated fields, got ", num(counts[i])])),
-        (tf.logical_not(label_ok[i]), lambda: tf.strings.join([
-            "label must be 0 or 1, got `", label_s[i], "`"])),
-    ], default=lambda: tf.strings.join([
-        "integer feature I", num(col + 1), " is not an integer: `", ints_s[i, col], "`"]))
-    message = tf.strings.join([MALFORMED, path, ":", num(numbers[i]), ": ", reason])
+    message = tf.strings.join([MALFORMED, path, ":", tf.strings.as_string(numbers[i]),
+                               ": ", _reason(lines[i])])
     return tf.debugging.Assert(False, [message])
 
   check = tf.cond(tf.reduce_all(ok), tf.no_op, report)
   with tf.control_dependencies([check]):  # no conversion runs before the check
-    ints_s = tf.where(tf.equal(ints_s, ""), "0", ints_s)
-    label_s = tf.identity(label_s)
-  dense = tf.math.log1p(tf.maximum(tf.strings.to_number(ints_s, tf.float32), 0.0))
-  sparse = tf.stack([
-      hash_column(cats[:, j], vocab_sizes[j]) for j in range(NUM_SPARSE)], axis=1)
-  label = tf.strings.to_number(label_s, tf.float32)[:, None]
-  return (dense, sparse), label
+    lines = tf.identity(lines)
+  columns = tf.io.decode_csv(
+      lines, [[0.0]] * (1 + NUM_DENSE) + [[""]] * NUM_SPARSE, field_delim="\t",
+      use_quote_delim=False)
+  dense = tf.math.log1p(tf.maximum(tf.stack(columns[1:1 + NUM_DENSE], axis=1), 0.0))
+  sparse = tf.stack([hash_column(columns[1 + NUM_DENSE + j], vocab_sizes[j])
+                     for j in range(NUM_SPARSE)], axis=1)
+  return (dense, sparse), columns[0][:, None]
 
 
 def hash_column(values: tf.Tensor, vocab_size: int) -> tf.Tensor:

@@ -2,8 +2,9 @@
 
 Two file formats are read: `ratings.csv` (MovieLens 20M/25M: a header, then
 `userId,movieId,rating,timestamp`) and `u.data` (MovieLens 100K: tab-separated
-`user item rating timestamp`, no header). Malformed rows raise a DataError
-naming `path:line`. Every rating counts as one positive interaction (as in the
+`user item rating timestamp`, no header). A file of plain rows is parsed at
+once with numpy; anything else (and a file with a malformed row) is read line
+by line, and a malformed row raises a DataError naming `path:line`. Every rating counts as one positive interaction (as in the
 NCF paper); ids are remapped to contiguous ranges; the latest interaction of
 each user is held out for testing (leave-one-out), and ranked against sampled
 items the user never interacted with.
@@ -53,9 +54,91 @@ class EvalData:
   items: np.ndarray  # int32 [U, 1 + negatives]
 
 
-def _parse(path: str, sep: str, header: tuple[str, ...] | None) -> Ratings:
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"MovieLens ratings file not found: {path}")
+# Digits of a field the fast parser takes: exact in float64, as `_scan` keeps them.
+_MAX_DIGITS = 15
+# Byte classes of the plain form `_parse_fast` reads; 0 is any other byte.
+_DIGIT, _DOT, _DELIM = 1, 2, 3
+# Byte -> its digit's value (0 for any other byte).
+_DIGIT_VALUE = np.zeros(256, np.int64)
+_DIGIT_VALUE[ord("0"):ord("9") + 1] = np.arange(10)
+
+
+def _integers(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """The fields `buf[starts[i]:starts[i] + lengths[i]]` read as decimal
+  integers, all at once (a byte that is no digit counts as 0)."""
+  value = np.zeros(len(starts), np.int64)
+  shortest = int(lengths.min(initial=0))
+  for k in range(int(lengths.max(initial=0))):
+    if k < shortest:  # every field has a k-th byte
+      value *= 10
+      value += _DIGIT_VALUE[buf[starts + k]]
+    else:
+      digit = _DIGIT_VALUE[buf[np.minimum(starts + k, len(buf) - 1)]]
+      value = np.where(lengths > k, value * 10 + digit, value)
+  return value
+
+
+def _parse_fast(buf: np.ndarray, sep: str) -> Ratings | None:
+  """Parses `user<sep>item<sep>rating<sep>timestamp` lines with numpy.
+
+  Args:
+    buf: the file's bytes after any header, as uint8.
+    sep: the field separator.
+
+  Returns:
+    The ratings, or None when the bytes are not in the plain form this reads
+    (unsigned integers, a rating with at most one `.`, no spaces, blank lines
+    or carriage returns); `_scan` then reads the file line by line and names
+    a malformed line.
+  """
+  if len(buf) and buf[-1] == ord("\n"):
+    buf = buf[:-1]
+  if not len(buf):
+    return None
+  classes = np.zeros(256, np.uint8)
+  classes[ord("0"):ord("9") + 1] = _DIGIT
+  classes[ord(".")] = _DOT
+  classes[[ord(sep), ord("\n")]] = _DELIM
+  kinds = classes[buf]
+  if not kinds.all():
+    return None  # another byte: a sign, a space, a letter
+  index = np.int32 if len(buf) < 2**31 else np.int64
+  delims = np.flatnonzero(kinds == _DELIM).astype(index)
+  dots = np.flatnonzero(kinds == _DOT).astype(index)
+  del kinds
+  n = (len(delims) + 1) // 4
+  newlines = buf[delims] == ord("\n")
+  if len(delims) != 4 * n - 1 or not newlines[3::4].all() or newlines.sum() != n - 1:
+    return None  # a line without exactly 4 fields
+  ends = np.append(delims, index(len(buf)))
+  starts = np.insert(delims + 1, 0, 0)
+  del delims, newlines
+  lengths = ends - starts
+  if lengths.max() > _MAX_DIGITS + 1:
+    return None  # a long number
+  users, items, ratings, timestamps = (
+      _integers(buf, starts[j::4], lengths[j::4]) for j in range(4))
+  # Every `.` must sit in a rating (column 2), one at most in each, beside a digit.
+  row = np.searchsorted(starts[2::4], dots, side="right") - 1
+  offset = dots - starts[2::4][row]
+  length = lengths[2::4][row]
+  if len(dots) and (row.min() < 0 or np.any(offset >= length) or np.any(np.diff(row) == 0)):
+    return None
+  digits = lengths.copy()
+  digits[4 * row + 2] -= 1
+  if digits.min() < 1 or digits.max() > _MAX_DIGITS:
+    return None  # an empty field (or a lone `.`), a number too long to keep exact
+  # A `.` was read as a 0 digit: drop it, then scale by the digits after it.
+  decimals = (length - offset - 1).astype(np.int64)
+  raw = ratings[row]
+  ratings = ratings.astype(np.float64)
+  ratings[row] = ((raw // 10 ** (decimals + 1)) * 10 ** decimals + raw % 10 ** decimals
+                  ) / 10.0 ** decimals
+  return Ratings(users, items, ratings.astype(np.float32), timestamps)
+
+
+def _scan(path: str, sep: str, header: tuple[str, ...] | None) -> Ratings:
+  """Parses line by line; raises DataError naming the first malformed line."""
   rows = []
   with open(path, encoding="utf-8", newline="") as f:
     for number, line in enumerate(f, start=1):
@@ -83,6 +166,21 @@ def _parse(path: str, sep: str, header: tuple[str, ...] | None) -> Ratings:
   table = np.array(rows, dtype=np.float64).reshape(-1, 4)
   return Ratings(table[:, 0].astype(np.int64), table[:, 1].astype(np.int64),
                  table[:, 2].astype(np.float32), table[:, 3].astype(np.int64))
+
+
+def _parse(path: str, sep: str, header: tuple[str, ...] | None) -> Ratings:
+  """Reads a ratings file at once with numpy, or by `_scan` if it is not plain."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"MovieLens ratings file not found: {path}")
+  with open(path, "rb") as f:
+    data = f.read()
+  buf = np.frombuffer(data, np.uint8)
+  if header is not None:
+    first = data[:data.find(b"\n") + 1 or len(data)]
+    names = first.decode("utf-8", "replace").rstrip("\r\n").split(sep)
+    buf = buf[len(first):] if tuple(c.strip() for c in names) == header else buf[:0]
+  parsed = _parse_fast(buf, sep)  # none for a wrong header: `_scan` names it
+  return _scan(path, sep, header) if parsed is None else parsed
 
 
 def read_ratings_csv(path: str) -> Ratings:
@@ -260,3 +358,10 @@ def write_ratings_csv(path: str, ratings: Ratings) -> None:
     f.write(",".join(CSV_HEADER) + "\n")
     for row in zip(ratings.users, ratings.items, ratings.ratings, ratings.timestamps):
       f.write(f"{row[0]},{row[1]},{row[2]:g},{row[3]}\n")
+
+
+def write_u_data(path: str, ratings: Ratings) -> None:
+  """Writes `ratings` in the `u.data` format (tab-separated, no header)."""
+  with open(path, "w", encoding="utf-8") as f:
+    for row in zip(ratings.users, ratings.items, ratings.ratings, ratings.timestamps):
+      f.write(f"{row[0]}\t{row[1]}\t{row[2]:g}\t{row[3]}\n")

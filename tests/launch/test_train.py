@@ -80,6 +80,28 @@ class TrainTest(tf.test.TestCase):
       train.train(_cfg(model="mlp", batch_size=30))
 
 
+class InputResumeTest(tf.test.TestCase):
+
+  def test_resume_restores_the_input_position(self):
+    model_dir = self.create_tempdir().full_path
+    cfg = dict(model="mlp", compression="none", steps=5, log_every=5, model_dir=model_dir)
+    train.train(_cfg(**cfg))
+    names = [n for n, _ in tf.train.list_variables(tf.train.latest_checkpoint(model_dir))]
+    self.assertIn("input_batch_32/.ATTRIBUTES/ITERATOR_STATE", names)
+    resumed = train.Job(_cfg(**dict(cfg, steps=8))).setup()
+    self.assertTrue(resumed.input_restored)
+    got = resumed._input(None)()  # pylint: disable=protected-access
+    spec = registry.get("mlp")
+    want = list(spec.dataset(_cfg(**cfg)).take(6))[5]  # uninterrupted: batch 6
+    tf.nest.map_structure(self.assertAllEqual, got, want)
+    # Another batch size cannot take the saved (prefetched) batches: skip.
+    other = train.Job(_cfg(**dict(cfg, steps=8, batch_size=64))).setup()
+    self.assertFalse(other.input_restored)
+    got = other._input(None)()  # pylint: disable=protected-access
+    want = list(spec.dataset(_cfg(**dict(cfg, batch_size=64))).take(6))[5]
+    tf.nest.map_structure(self.assertAllEqual, got, want)
+
+
 class DlrmRestartTest(tf.test.TestCase):
   """DLRM, 2 replicas x 2 devices, DCT-DP + DCT-MP at the paper's splits."""
 
@@ -237,6 +259,9 @@ class ModelsTest(tf.test.TestCase):
     s = train.train(_cfg(model="ncf", compression="deft", **TWO_REPLICAS))
     _assert_learns(self, s)
     self.assertIn("hr@10", s["eval"])
+    self.assertIn("ndcg@10", s["eval"])
+    self.assertLessEqual(s["eval"]["ndcg@10"], s["eval"]["hr@10"])
+    self.assertIn("loss", s["eval"])
 
   def test_lstm_lm_cltk(self):
     s = train.train(_cfg(model="lstm_lm", compression="cltk", **TWO_REPLICAS))

@@ -1,6 +1,7 @@
 """Tests for models/data/criteo.py: the TSV reader and the synthetic generator."""
 
 import os
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -69,6 +70,29 @@ class ReaderTest(tf.test.TestCase):
         criteo._parse_lines(lines, tf.constant([1, 2, 3], tf.int64), path, [10] * 26)  # pylint: disable=protected-access
     with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):  # big-file path
       list(criteo.read_tsv(path, 2, eager_check_bytes=0))
+
+  def test_crlf_quotes_and_a_lone_minus(self):
+    # decode_csv is told not to treat `"` specially; a Windows line end is
+    # dropped; `-` alone is no integer (it used to fail in a cast).
+    cats = ['"a', 'b"'] + ["0"] * 24
+    path = self._write((_row() + _row("0", cats=cats)).replace("\n", "\r\n"))
+    (_, sparse), label = next(iter(criteo.read_tsv(path, 2, vocab_sizes=7)))
+    self.assertAllEqual(label, [[1.0], [0.0]])
+    want = tf.strings.to_hash_bucket_fast(['"a', 'b"'], 6).numpy() + 1
+    self.assertAllEqual(sparse[1, :2], want)
+    bad = self._write(_row() + _row(ints=["-"] + ["1"] * 12))
+    with self.assertRaisesRegex(errors.DataError, r"day.tsv:2: integer feature I1 is not "
+                                r"an integer: `-`"):
+      criteo.read_tsv(bad, 2)
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError, r"day.tsv:2: integer "
+                                r"feature I1"):
+      list(criteo.read_tsv(bad, 2, eager_check_bytes=0))
+
+  def test_a_bad_row_in_a_later_batch_of_the_check(self):
+    path = self._write(_row() * 5 + _row(label="") + _row())
+    with mock.patch.object(criteo, "_CHECK_BATCH", 2):
+      with self.assertRaisesRegex(errors.DataError, r"day.tsv:6: label must be 0 or 1"):
+        criteo.read_tsv(path, 2)
 
   def test_big_file_reports_a_bad_label_by_its_line(self):
     # The in-graph check runs before any field is converted, so a label

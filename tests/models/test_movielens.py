@@ -70,6 +70,43 @@ class ReaderTest(tf.test.TestCase):
                                 r"u.data:1: expected integer user.* \(a header line\?"):
       ml.read_u_data(self._write("u.data", "user\titem\trating\ttime\n1\t2\t3\t4\n"))
 
+  def test_any_plain_form_reads_as_line_by_line(self):
+    # The numpy parser and the line-by-line one (which reads what it does not:
+    # spaces, signs, blank lines, carriage returns) give the same arrays.
+    header = "userId,movieId,rating,timestamp\n"
+    texts = [
+        "1,31,2.5,1260759144\n1,1029,3,1260759179\n007,31,.5,5\n12,9,4.,0",
+        "1,2,0.125,3\n",
+        "1, 2,3.5,4\n-1,2,3,4\n",
+        "1,2,3.5,4\r\n\n5,6,7,8\r\n",
+        "123456789012345,2,3.5,4\n",
+        "1234567890123456,2,3.5,4\n",
+    ]
+    for text in texts:
+      path = self._write("ratings.csv", header + text)
+      buf = np.frombuffer(text.encode(), np.uint8)
+      fast = ml._parse_fast(buf, ",")  # pylint: disable=protected-access
+      scan = ml._scan(path, ",", ml.CSV_HEADER)  # pylint: disable=protected-access
+      self.assertEqual(fast is None, text.startswith(("1, ", "1,2,3.5,4\r", "1234567890123456")),
+                       msg=text)
+      for got, want in zip(vars(ml.read_ratings_csv(path)).values(), vars(scan).values()):
+        self.assertEqual(got.dtype, want.dtype)
+        self.assertAllEqual(got, want, msg=text)
+    r = ml.read_ratings_csv(self._write("ratings.csv", header + texts[0]))
+    self.assertAllClose(r.ratings, [2.5, 3.0, 0.5, 4.0])
+    self.assertAllEqual(r.users, [1, 1, 7, 12])
+    self.assertAllEqual(r.timestamps, [1260759144, 1260759179, 5, 0])
+
+  def test_bad_rows_after_many_good_ones(self):
+    good = "1\t2\t3\t4\n" * 1000
+    cases = [("1\t2\t3.5.5\t4\n", "u.data:1001: expected integer user"),
+             ("1\t2.0\t3\t4\n", "u.data:1001: expected integer user"),
+             ("1\t2\t\t4\n", "u.data:1001: expected integer user"),
+             ("1\t2\t3\n", "u.data:1001: expected 4 fields")]
+    for bad, message in cases:
+      with self.assertRaisesRegex(errors.DataError, message):
+        ml.read_u_data(self._write("u.data", good + bad + good))
+
   def test_missing_paths(self):
     missing = os.path.join(self.get_temp_dir(), "absent")
     with self.assertRaisesRegex(FileNotFoundError, "absent/ratings.csv"):
@@ -147,6 +184,12 @@ class SyntheticTest(tf.test.TestCase):
     r = ml.synthetic_ratings(0, 5, 8, 3)
     ml.write_ratings_csv(path, r)
     tf.nest.map_structure(self.assertAllEqual, vars(ml.read_ratings_csv(path)), vars(r))
+
+  def test_u_data_round_trip(self):
+    path = os.path.join(self.get_temp_dir(), "u.data")
+    r = ml.synthetic_ratings(1, 5, 8, 3)
+    ml.write_u_data(path, r)
+    tf.nest.map_structure(self.assertAllEqual, vars(ml.read_u_data(path)), vars(r))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,49 @@ class HitRateTest(tf.test.TestCase):
     self.assertEqual(ncf.hit_rate_at_k(lambda x: tf.zeros_like(x[0], tf.float32), data, k=5), 0.0)
 
 
+  def test_ndcg_matches_numpy_reference(self):
+    # ranks 0, 5, 2, 2 as in the HR test above; one relevant item per user
+    ranks = np.array([0, 5, 2, 2])
+    want10 = np.mean([1.0, 1 / np.log2(7.0), 0.5, 0.5])
+    self.assertAllClose(ncf.ndcg_at_k(ranks, 10), want10)
+    self.assertEqual(ncf.ndcg_at_k(ranks, 3), 0.5)  # the rank-5 user scores 0
+    self.assertEqual(ncf.ndcg_at_k(ranks, 1), 0.25)
+    self.assertEqual(ncf.ndcg_at_k(np.array([99, 99]), 10), 0.0)
+    scores = np.array([[0.9, 0.1, 0.2, 0.3, 0.4, 0.5],
+                       [0.1, 0.9, 0.8, 0.7, 0.6, 0.5],
+                       [0.5, 0.5, 0.5, 0.1, 0.0, 0.0],
+                       [0.3, 0.6, 0.2, 0.1, 0.4, 0.0]])
+    self.assertAllEqual(ncf.positive_ranks(scores), ranks)
+
+  def test_bad_cutoff(self):
+    for k in (0, -1, 2.5, True, "10"):
+      with self.assertRaisesRegex(ValueError, r"k \(the ranking cut-off\) must be an int "
+                                  r">= 1, got"):
+        ncf.ndcg_at_k(np.array([0]), k)
+    with self.assertRaisesRegex(ValueError, "k .* must be an int >= 1, got 0"):
+      ncf.hit_rate_at_k(lambda x: tf.zeros_like(x[0], tf.float32),
+                        movielens.EvalData(np.zeros(1, np.int32), np.zeros((1, 2), np.int32)),
+                        k=0)
+
+
+class EvaluateTest(tf.test.TestCase):
+
+  def test_reports_hr_ndcg_and_loss(self):
+    model = ncf.build_model(seed=0, **TINY)
+    result = ncf.evaluate(model)
+    self.assertEqual(set(result), {"hr@10", "ndcg@10", "loss"})
+    data = ncf.make_eval_data(0)
+    scores = ncf.candidate_scores(lambda x: model(x, training=False), data)
+    ranks = ncf.positive_ranks(scores)
+    self.assertAllClose(result["ndcg@10"], ncf.ndcg_at_k(ranks, 10))
+    self.assertLessEqual(result["ndcg@10"], result["hr@10"])
+    labels = np.zeros_like(scores)
+    labels[:, 0] = 1
+    p = np.clip(scores, 1e-7, 1 - 1e-7)
+    want = -np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+    self.assertAllClose(result["loss"], want, rtol=1e-4)
+
+
 class ModelTest(tf.test.TestCase):
 
   def test_structure_and_sizes_from_data(self):
