@@ -5,7 +5,8 @@ With no flags this is the Quick-start main job: DLRM (DCT §3.1 dimensions) on
 the embedded synthetic Criteo-shaped data, 4 logical CPUs as 2 data-parallel
 replicas x 2 model-parallel devices, DCT-DP (sparsity 0.99) across the
 replicas and DCT-MP (sparsity 0.9) at the paper's two splits ("bottom_1",
-"top_1"), i.e. DCT Table 3's hybrid setting. It prints a progress line and a
+"top_1"), i.e. DCT Table 3's hybrid setting. It prints progress lines
+(steady-state throughput and ETA, the first step's tracing apart) and a
 final summary table that puts the bytes sent next to the bytes a dense
 all-reduce would have moved. Every flag: `--helpfull` and docs/launch.md.
 
@@ -16,11 +17,13 @@ line always wins.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # TFRS needs tf.keras = Keras 2
@@ -543,6 +546,41 @@ def _run_on_logical_device(layer, index: int) -> None:
 # --- the job ---------------------------------------------------------------------
 
 
+def steady_state(steps: int, seconds: float, batch_size: int, remaining: int) -> dict | None:
+  """Throughput of the steady state and the time the remaining steps need.
+
+  The first step of a run traces (and compiles) the training step and can
+  take a minute; timing only the steps after it gives the rate the rest of
+  the run will go at.
+
+  Args:
+    steps: steps timed (after the first step of the run).
+    seconds: the time they took.
+    batch_size: examples per step (the global batch).
+    remaining: steps still to run.
+
+  Returns:
+    `steps_per_sec`, `examples_per_sec` and `eta_seconds`, or None before any
+    step has been timed.
+  """
+  if steps <= 0 or seconds <= 0:
+    return None
+  rate = steps / seconds
+  return {"steps_per_sec": rate, "examples_per_sec": rate * batch_size,
+          "eta_seconds": remaining / rate}
+
+
+def duration(seconds: float) -> str:
+  """`seconds` for a progress line: "42 s", "3m05s", "2h07m"."""
+  seconds = round(seconds)
+  if seconds < 60:
+    return f"{seconds} s"
+  minutes, secs = divmod(seconds, 60)
+  if minutes < 60:
+    return f"{minutes}m{secs:02d}s"
+  return f"{minutes // 60}h{minutes % 60:02d}m"
+
+
 def _mb(x: float) -> str:
   return f"{x / 1e6:,.2f} MB"
 
@@ -735,11 +773,16 @@ class Job:
     self.losses: list[float] = []
     self.evals: dict[int, dict] = {}
     self.start_step = int(self.step.numpy())
-    self.start_time = time.perf_counter()
+    # The first step's time (tracing included) and the time of the steps after
+    # it, evaluations and checkpoints left out: the steady state.
+    self.first_step_seconds = None
+    self.steady_seconds = 0.0
+    self.start_time = self._clock = time.perf_counter()
     self._last_log = (self.start_step, self.start_time)
     writer = self.writer or tf.summary.create_noop_writer()
     with writer.as_default(step=self.step):
       if self.start_step < cfg["steps"]:
+        print("tracing the training step (first step; can take a minute) ...", flush=True)
         if cfg["loop"] == "custom":
           self._run_custom()
         else:
@@ -829,6 +872,12 @@ class Job:
                   evaluate: bool = True) -> None:
     cfg = self.cfg
     step = int(self.step.numpy())
+    now = time.perf_counter()
+    if self.first_step_seconds is None:
+      self.first_step_seconds = now - self._clock
+      print(f"traced and ran the first step in {self.first_step_seconds:.1f} s", flush=True)
+    else:
+      self.steady_seconds += now - self._clock
     self.losses.append(loss)
     tf.summary.scalar("train/loss", loss, step=step)
     for name, value in (train_metrics or {}).items():
@@ -840,6 +889,7 @@ class Job:
       self._log(step, loss)
     if evaluate and ((cfg["eval_every"] and step % cfg["eval_every"] == 0) or last):
       self._checkpoint_and_evaluate()
+    self._clock = time.perf_counter()
 
   def _checkpoint_and_evaluate(self) -> None:
     if self.manager:
@@ -847,6 +897,13 @@ class Job:
       if getattr(self.repl, "is_chief", True):
         write_settings(self.cfg)
     self._evaluate()
+    self._clock = time.perf_counter()
+
+  def steady(self) -> dict | None:
+    """`steady_state` of this run so far: the steps after its first one."""
+    step = int(self.step.numpy())
+    return steady_state(step - self.start_step - 1, self.steady_seconds,
+                        self.cfg["batch_size"], self.cfg["steps"] - step)
 
   def _log(self, step: int, loss: float) -> None:
     now = time.perf_counter()
@@ -854,7 +911,12 @@ class Job:
     rate = (step - prev_step) / max(now - prev_time, 1e-9)
     self._last_log = (step, now)
     tf.summary.scalar("train/steps_per_sec", rate, step=step)
-    line = f"step {step:>6}/{self.cfg['steps']}  loss {loss:.5f}  {rate:.2f} steps/s"
+    line = f"step {step:>6}/{self.cfg['steps']}  loss {loss:.5f}"
+    steady = self.steady()
+    if steady:
+      line += (f"  {steady['steps_per_sec']:.2f} steps/s  "
+               f"{steady['examples_per_sec']:,.0f} examples/s  "
+               f"ETA {duration(steady['eta_seconds'])}")
     comm = self.communication()
     if comm and self.cfg["compression"] != "none":
       line += (f"  sent {_mb(comm['bytes_sent'])}/replica (stock TF "
@@ -955,6 +1017,7 @@ class Job:
     trained = steps - self.start_step
     final_eval = self.evals.get(steps) or (self.evals[max(self.evals)] if self.evals else {})
     window = max(1, min(5, len(self.losses) // 3))
+    steady = self.steady()
     summary = {
         "model": cfg["model"], "config": cfg["config"], "loop": cfg["loop"],
         "replicas": self.repl.num_replicas,
@@ -973,6 +1036,9 @@ class Job:
         "metric": self.spec.metric, "eval": final_eval,
         "wall_seconds": self.wall,
         "steps_per_sec": trained / self.wall if self.wall and trained else 0.0,
+        "first_step_seconds": self.first_step_seconds,
+        "steady_steps_per_sec": steady["steps_per_sec"] if steady else None,
+        "steady_examples_per_sec": steady["examples_per_sec"] if steady else None,
         "communication": self.communication(), "mp": self.mp_bytes(),
         "restored_from": self.restored_from,
     }
@@ -1051,13 +1117,64 @@ def print_table(s: dict, cfg: dict) -> None:
     ratio = m["dense_bytes"] / m["bytes"] if m["bytes"] else math.inf
     rows.append(("MP bytes / replica (fwd+bwd)", f"{_mb(m['bytes'])} vs dense "
                  f"{_mb(m['dense_bytes'])} ({ratio:.1f}x)"))
-  rows.append(("wall time", f"{s['wall_seconds']:.1f} s ({s['steps_per_sec']:.2f} steps/s)"))
+  first = s.get("first_step_seconds")
+  rows.append(("wall time (tracing included)",
+               f"{s['wall_seconds']:.1f} s ({s['steps_per_sec']:.2f} steps/s"
+               + (f"; first step with tracing {first:.1f} s)" if first is not None else ")")))
+  if s.get("steady_steps_per_sec"):
+    rows.append(("steady state (after the first step)",
+                 f"{s['steady_steps_per_sec']:.2f} steps/s, "
+                 f"{s['steady_examples_per_sec']:,.0f} examples/s"))
   width = max(len(k) for k, _ in rows)
   print("\n| " + "quantity".ljust(width) + " | value |")
   print("|" + "-" * (width + 2) + "|---|")
   for key, value in rows:
     print(f"| {key.ljust(width)} | {value} |")
   sys.stdout.flush()
+
+
+# Replicators that use no GPU: their runs hide the GPUs from TensorFlow.
+NO_GPU_REPLICATORS = ("cpu", "tpu")
+
+
+def hide_gpus(replicator: str) -> None:
+  """On a run that uses no GPU, hides the GPUs from TensorFlow.
+
+  Sets `CUDA_VISIBLE_DEVICES=""` (unless the user has set it), so TensorFlow
+  neither takes GPU memory nor places ops on a GPU, then lists the physical
+  devices, dropping the `cuInit` error line that a CUDA build of TensorFlow
+  logs there on every run (with or without a GPU). Must run before TensorFlow
+  lists its devices; does nothing for the gpu and multi_worker replicators.
+
+  Args:
+    replicator: the --replicator value.
+  """
+  if replicator not in NO_GPU_REPLICATORS:
+    return
+  os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+  with _without_stderr_lines(b"cuInit"):
+    tf.config.list_physical_devices()
+
+
+@contextlib.contextmanager
+def _without_stderr_lines(marker: bytes):
+  """Passes on what is written to file descriptor 2 inside, but for the lines
+  holding `marker` (TensorFlow's C++ logging writes there, not to sys.stderr)."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      kept = [line for line in captured.read().splitlines(keepends=True)
+              if marker not in line]
+      if kept:
+        os.write(2, b"".join(kept))
 
 
 def train(cfg: dict) -> dict:
@@ -1071,7 +1188,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   tf.get_logger().setLevel("ERROR")
   try:
-    train(resolved_config())
+    cfg = resolved_config()
+    print(f"training {cfg['model']} ({cfg['config']}): {cfg['steps']} steps, global batch "
+          f"{cfg['batch_size']}, --replicator={cfg['replicator']}, "
+          f"--compression={cfg['compression']}; building the model ...", flush=True)
+    train(cfg)
   except (FlagError, TrainingDiverged, DataError, FileNotFoundError) as e:
     # One line naming the flag or path:line, no traceback.
     print(f"launch.train: error: {e}", file=sys.stderr)
@@ -1091,9 +1212,20 @@ def data_error_in(error: tf.errors.OpError) -> str | None:
   return found.group(1).strip().strip("'\"") if found else None
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, then `hide_gpus`.
+
+  `app.run` calls this before its after-init callbacks, one of which
+  (TensorFlow's, registered on import) lists the GPUs.
+  """
+  args = app.parse_flags_with_usage(argv)
+  hide_gpus(FLAGS.replicator)
+  return args
+
+
 def run() -> None:
   """Entry point of the `tf-dct-train` console script."""
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import io
 import os
 import re
 import subprocess
+import sys
+from unittest import mock
 
 from absl import flags
 from absl.testing import flagsaver
@@ -428,6 +430,61 @@ class FlagErrorsTest(tf.test.TestCase):
   def test_every_compression_class_is_known(self):
     for name, cls in train.COMPRESSOR_CLASSES.items():
       self.assertTrue(hasattr(tf_dct.compression, cls), (name, cls))
+
+
+class ProgressTest(tf.test.TestCase):
+  """The start line, the tracing notice, steady-state throughput and ETA."""
+
+  def test_steady_state_and_eta(self):
+    self.assertEqual(train.steady_state(10, 4.0, 32, 25),
+                     {"steps_per_sec": 2.5, "examples_per_sec": 80.0, "eta_seconds": 10.0})
+    self.assertEqual(train.steady_state(3, 1.5, 8, 0)["eta_seconds"], 0.0)
+    self.assertIsNone(train.steady_state(0, 0.0, 32, 25))  # only the first step so far
+    self.assertEqual([train.duration(s) for s in (0.2, 42.4, 59.6, 185, 7620)],
+                     ["0 s", "42 s", "1m00s", "3m05s", "2h07m"])
+
+  def test_run_prints_tracing_notice_and_steady_state(self):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      summary = train.train(_cfg(model="mlp", compression="none", steps=3, log_every=1))
+    lines = out.getvalue().splitlines()
+    self.assertEqual(lines[0], "tracing the training step (first step; can take a minute) ...")
+    self.assertRegex(lines[1], r"^traced and ran the first step in \d+\.\d s$")
+    self.assertRegex(lines[2], r"^step +1/3  loss [\d.]+$")  # nothing timed yet
+    self.assertRegex(lines[4], r"^step +3/3  loss [\d.]+  [\d.]+ steps/s  [\d,]+ examples/s"
+                     r"  ETA 0 s$")
+    self.assertGreater(summary["steady_steps_per_sec"], 0)
+    self.assertAllClose(summary["steady_examples_per_sec"],
+                        32 * summary["steady_steps_per_sec"])
+    self.assertGreater(summary["first_step_seconds"], 0)
+    self.assertIn("steps_per_sec", summary)  # wall-clock rate, tracing included
+    rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ")]
+    self.assertIn("wall time (tracing included)", rows)
+    self.assertIn("steady state (after the first step)", rows)
+
+  def test_hide_gpus_only_where_unset_and_no_gpu_is_asked_for(self):
+    with mock.patch.dict("os.environ"):
+      os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+      train.hide_gpus("gpu")
+      self.assertNotIn("CUDA_VISIBLE_DEVICES", os.environ)
+      train.hide_gpus("cpu")
+      self.assertEqual(os.environ["CUDA_VISIBLE_DEVICES"], "")
+      os.environ["CUDA_VISIBLE_DEVICES"] = "1"
+      train.hide_gpus("tpu")
+      self.assertEqual(os.environ["CUDA_VISIBLE_DEVICES"], "1")
+
+  def test_launcher_prints_at_once_and_no_cuinit_line(self):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["PYTHONPATH"] = REPO
+    out = subprocess.run([sys.executable, "-m", "launch.train", "--model=mlp",
+                          "--config=local", "--compression=none", "--steps=2"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+                         check=False)
+    self.assertEqual(out.returncode, 0, out.stderr)
+    self.assertEqual(out.stdout.splitlines()[0],
+                     "training mlp (local): 2 steps, global batch 32, --replicator=cpu, "
+                     "--compression=none; building the model ...")
+    self.assertNotIn("cuInit", out.stderr)
 
 
 class MultiWorkerScriptTest(tf.test.TestCase):
