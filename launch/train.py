@@ -10,14 +10,19 @@ replicas and DCT-MP (sparsity 0.9) at the paper's two splits ("bottom_1",
 final summary table that puts the bytes sent next to the bytes a dense
 all-reduce would have moved. Every flag: `--helpfull` and docs/launch.md.
 
-Flags whose default is None take a per-model value (launch/registry.py), then
-`--config=local` shrinks any model to a smoke run; a flag given on the command
-line always wins.
+The run's settings are an `ml_collections` config (`launch/configs/<model>.py`,
+`--config=path.py:preset`, `--config=local` for the config of --model with
+the tiny preset, `--config.<field>=value` overrides). A flag given on the
+command line wins over the config file; a flag and a `--config.<field>`
+override of the same setting that disagree are an error. The resolved config
+is written to `<model_dir>/config.json`; `--mode` trains, evaluates the
+latest checkpoint, or both.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -32,18 +37,24 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
+import ml_collections
+from ml_collections import config_flags
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
 import tf_dct
 from tf_dct import keras as tf_dct_keras
+from launch import configs
 from launch import registry
 from models.data.errors import DataError
 from models.data.errors import MALFORMED
 
 MODELS = tuple(registry.SPECS)
-CONFIGS = ("default", "local")
+CONFIGS = configs.PRESETS
+# --mode: train_and_eval evaluates at every checkpoint (--eval_every, the last
+# step); train only checkpoints; eval evaluates the latest checkpoint.
+MODES = ("train_and_eval", "train", "eval")
 REPLICATORS = ("cpu", "gpu", "multi_worker", "tpu")
 COMPRESSIONS = ("none", "dct", "deft", "topk", "cltk", "threshold")
 # --compression value -> class name in tf_dct.compression (looked up lazily,
@@ -62,9 +73,16 @@ SPARSIFIERS = ("dct", "deft", "topk")
 ADAMW_WEIGHT_DECAY = 0.01
 
 flags.DEFINE_enum("model", "dlrm", MODELS, "Model to train (models/<name>).")
-flags.DEFINE_enum("config", "default", CONFIGS,
-                  "Preset: 'default' (full-size model, per-model settings) or "
-                  "'local' (tiny dimensions and ~30 steps: a smoke run of any model).")
+config_flags.DEFINE_config_file(
+    "config", None,
+    "The run's config: launch/configs/<model>.py[:default|local], any file with "
+    "get_config(arg), a saved <model_dir>/config.json, or a preset name: 'default' "
+    "(full-size model; used without --config) or 'local' (tiny dimensions and ~30 "
+    "steps: a smoke run) of --model. --config.<field>=value overrides a field, e.g. "
+    "--config.model.d_model=128.")
+flags.DEFINE_enum("mode", MODES[0], MODES,
+                  "train_and_eval: train, evaluate at every checkpoint; train: train and "
+                  "checkpoint only; eval: evaluate the latest checkpoint of --model_dir.")
 flags.DEFINE_string("data_dir", "", "Real data directory; empty: the embedded synthetic data.")
 flags.DEFINE_enum("replicator", "cpu", REPLICATORS, "Replicator kind (tf_dct.create_replicator).")
 flags.DEFINE_integer("num_replicas", None,
@@ -151,6 +169,11 @@ PLAIN = ("model", "config", "data_dir", "replicator", "tpu", "compression", "war
          "min_size", "min_count", "momentum_correction", "adam_correction",
          "compression_exclude", "sparse_gradients", "dense_gradients", "model_dir",
          "loop", "seed")
+# Flags that are fields of the config, under the same name.
+CONFIG_FLAGS = (*configs.LAUNCHER_DEFAULTS, *SETTINGS)
+# The config's sections -> their key in the resolved configuration.
+SECTION_KEYS = {"model": "model_kwargs", "data": "data", "eval": "eval", "split": "split"}
+CONFIG_FILE = "config.json"
 
 
 class FlagError(app.UsageError, ValueError):
@@ -162,33 +185,179 @@ def _given(name: str) -> bool:
   return flag.present or not flag.using_default_value
 
 
-def resolved_config() -> dict:
-  """The flags merged with per-model defaults and the preset, validated.
+def _plain(value):
+  """A flag's or config's value in the config's form (lists as tuples)."""
+  if isinstance(value, (list, tuple)):
+    return tuple(_plain(v) for v in value)
+  return value
 
-  Precedence: a flag given explicitly > `--config` preset for the model > the
-  model's defaults > the launcher's common defaults. Raises FlagError.
+
+def load_config(value: str | None, model: str) -> ml_collections.ConfigDict:
+  """The config `--config=value` names (None: the default preset of `model`).
+
+  `value` is a preset name of `model` (`default`, `local`), a saved
+  `config.json`, or a Python file defining `get_config(arg)`, with the
+  argument after a colon (`launch/configs/ncf.py:local`). Raises FlagError.
   """
-  cfg = {name: FLAGS[name].value for name in PLAIN}
-  if cfg["model"] not in registry.SPECS:
-    raise FlagError(f"--model: unknown model {cfg['model']!r}; expected one of {MODELS}")
-  if cfg["config"] not in CONFIGS:
-    raise FlagError(f"--config: unknown preset {cfg['config']!r}; expected one of {CONFIGS}")
-  preset = registry.settings(cfg["model"], cfg["config"])
-  explicit = set()
-  for name in SETTINGS:
-    value = FLAGS[name].value
-    if value is not None and _given(name):
-      cfg[name] = value
+  try:
+    if not value or value in CONFIGS:
+      return configs.get(model, value or "default")
+    if value.endswith(".json"):
+      with tf.io.gfile.GFile(value) as f:
+        return configs.from_json(f.read())
+    filename, colon, arg = value.partition(":")
+    if not os.path.isfile(filename):
+      raise FlagError(f"--config: {filename!r} is neither a preset ({', '.join(CONFIGS)}) "
+                      "nor a config file")
+    spec = importlib.util.spec_from_file_location("launch_train_config", filename)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(*([arg] if colon else []))
+  except (ValueError, KeyError, OSError) as e:
+    if isinstance(e, FlagError):
+      raise
+    raise FlagError(f"--config={value}: {e}") from None
+
+
+def resolve(config: ml_collections.ConfigDict, given: dict | None = None,
+            overridden: dict | None = None, *, model_dir: str = "",
+            mode: str = MODES[0]) -> dict:
+  """The launcher configuration of `config` with flag values on top, validated.
+
+  Precedence: a flag given explicitly > the config (its file, with the
+  `--config.<field>` overrides applied). A flag and an override of the same
+  field with different values are an error.
+
+  Args:
+    config: a config of `launch/configs` (`load_config`).
+    given: {flag name: value} of the flags given explicitly.
+    overridden: {field path: value} of the `--config.<field>` overrides.
+    model_dir: the --model_dir value.
+    mode: the --mode value.
+
+  Returns:
+    A flat dict: one key per flag, the config's sections (`model_kwargs`,
+    `data`, `eval`, `split`), `learning_rates`, and `explicit`, the settings
+    given by a flag, an override or a config file that differs from the
+    model's own.
+
+  Raises:
+    FlagError: a conflict or a bad value.
+  """
+  given = {k: _plain(v) for k, v in (given or {}).items() if v is not None}
+  overridden = {k: _plain(v) for k, v in (overridden or {}).items()}
+  if mode not in MODES:
+    raise FlagError(f"--mode: unknown mode {mode!r}; expected one of {MODES}")
+  model = config.get("model_name")
+  if model not in registry.SPECS:
+    raise FlagError(f"--config: model_name {model!r} is not a model; expected one of {MODELS}")
+  if given.get("model", model) != model:
+    raise FlagError(f"--model={given['model']} but the --config file is a config of "
+                    f"{model!r}; drop --model or give the config of {given['model']!r}")
+  preset = config.get("preset")
+  preset = preset if preset in CONFIGS else "default"
+  # The model's own config under the preset: what `explicit` compares with,
+  # and the value of a field the given config lacks.
+  builtin = load_config(preset, model)
+  cfg = {"model": model, "config": preset, "model_dir": model_dir, "mode": mode}
+  explicit = {"model"} & set(given)
+  for name in CONFIG_FLAGS:
+    value = _plain(config.get(name, builtin[name]))
+    if name in given:
+      if name in overridden and overridden[name] != given[name]:
+        raise FlagError(f"--{name}={given[name]} and --config.{name}={overridden[name]} "
+                        "disagree; give one of them")
+      value = given[name]
       explicit.add(name)
-    else:
-      cfg[name] = preset[name]
-  if "learning_rate" not in explicit and cfg["optimizer"] in OPTIMIZERS:
+    elif name in overridden or value != _plain(builtin[name]):
+      explicit.add(name)
+    cfg[name] = value
+  for section, key in SECTION_KEYS.items():
+    cfg[key] = config.get(section, builtin[section]).to_dict()
+  cfg["learning_rates"] = config.get("learning_rates", builtin.learning_rates).to_dict()
+  if cfg["learning_rate"] is None and cfg["optimizer"] in OPTIMIZERS:
     # The rate follows the optimizer actually used, given or preset.
-    cfg["learning_rate"] = registry.learning_rate(cfg["model"], cfg["config"],
-                                                  cfg["optimizer"])
-  cfg["explicit"] = frozenset(explicit | {n for n in PLAIN if _given(n)})
+    if cfg["optimizer"] not in cfg["learning_rates"]:
+      raise FlagError(f"--optimizer={cfg['optimizer']}: no learning rate for it in the "
+                      f"config's learning_rates ({', '.join(cfg['learning_rates'])}); give "
+                      "--learning_rate")
+    cfg["learning_rate"] = cfg["learning_rates"][cfg["optimizer"]]
+  cfg["explicit"] = frozenset(explicit)
   validate(cfg)
   return cfg
+
+
+def saved_config(mode: str | None, model_dir: str | None) -> str | None:
+  """With --mode=eval and no --config: the `config.json` of --model_dir, if any."""
+  if mode != "eval" or not model_dir:
+    return None
+  path = os.path.join(model_dir, CONFIG_FILE)
+  return path if tf.io.gfile.exists(path) else None
+
+
+def resolved_config() -> dict:
+  """The flags and the `--config` config merged (`resolve`), validated.
+
+  `--config` may hold the parsed config (command line) or, set from Python
+  (`flagsaver`), a string `load_config` reads. Raises FlagError.
+  """
+  value, overridden = FLAGS.config, {}
+  if value is None:
+    value = saved_config(FLAGS.mode, FLAGS.model_dir)
+  if value is None or isinstance(value, str):
+    config = load_config(value, FLAGS.model)
+  else:
+    config = value
+    try:
+      overridden = dict(FLAGS["config"].override_values)
+    except config_flags.UnparsedFlagError:
+      pass
+  given = {name: FLAGS[name].value for name in ("model", *CONFIG_FLAGS) if _given(name)}
+  return resolve(config, given, overridden, model_dir=FLAGS.model_dir, mode=FLAGS.mode)
+
+
+def config_of(cfg: dict) -> ml_collections.ConfigDict:
+  """The resolved configuration `cfg` as a config of `launch/configs` (what
+  `<model_dir>/config.json` holds; `--config=<that file>` runs it again)."""
+  config = ml_collections.ConfigDict()
+  config.model_name, config.preset = cfg["model"], cfg["config"]
+  for name in CONFIG_FLAGS:
+    config[name] = _plain(cfg[name])
+  schedule = cfg.get("sparsity_schedule") or ()
+  config.sparsity_schedule = tuple(item if isinstance(item, str) else f"{item[0]}:{item[1]}"
+                                   for item in schedule)
+  config.compression_exclude = tuple(cfg.get("compression_exclude") or ())
+  for section, key in SECTION_KEYS.items():
+    config[section] = dict(cfg[key])
+  config.learning_rates = dict(cfg["learning_rates"])
+  return config
+
+
+def write_config(cfg: dict) -> str:
+  """Writes `config_of(cfg)` as JSON to `<model_dir>/config.json`; returns the path."""
+  path = os.path.join(cfg["model_dir"], CONFIG_FILE)
+  tf.io.gfile.makedirs(cfg["model_dir"])
+  with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+    f.write(json.dumps(config_of(cfg).to_dict(), indent=1, sort_keys=True) + "\n")
+  tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+  return path
+
+
+def _check_section(section: str, values: dict) -> None:
+  """Numbers of a config section: counts >= 1, dropout in [0, 1)."""
+  for key, value in values.items():
+    where = f"--config.{section}.{key}"
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+      continue
+    if isinstance(value, float):
+      if "dropout" in key and not 0 <= value < 1:
+        raise FlagError(f"{where} must be in [0, 1), got {value}")
+      continue
+    many = isinstance(value, (tuple, list))
+    items = value if many else (value,)
+    if not items or not all(isinstance(v, int) and v >= 1 for v in items):
+      raise FlagError(f"{where} must be {'a non-empty list of ' if many else 'an '}"
+                      f"integer{'s' if many else ''} >= 1, got {value}")
 
 
 def _in_range(cfg, name, lo, hi, lo_open, hi_open):
@@ -254,6 +423,11 @@ def parse_schedule(items, comp: str) -> tuple[tuple[int, float], ...]:
 def validate(cfg: dict) -> None:
   """Every check that needs no TensorFlow device; raises FlagError."""
   spec = registry.get(cfg["model"])
+  for section in ("model", "data", "eval"):
+    _check_section(section, cfg.get(SECTION_KEYS[section]) or {})
+  if cfg.get("mode") == "eval" and not cfg["model_dir"]:
+    raise FlagError("--mode=eval evaluates the latest checkpoint of --model_dir; give "
+                    "--model_dir")
   for name in ("steps", "batch_size", "log_every", "num_replicas", "num_devices_per_replica",
                "threshold_life"):
     if cfg[name] is None or cfg[name] < 1:
@@ -403,6 +577,7 @@ SETTINGS_FILE = "settings.json"
 # its value that must not change on resume (None: the value itself).
 STATE_SETTINGS = {
     "model": None, "config": None,  # the variables and their sizes
+    "model_kwargs": None, "data": None,  # the model's dimensions, its vocabulary
     "data_dir": bool,  # real or synthetic data: table sizes follow the data
     "mp_splits": None,  # DCT-MP split layers and their counters
     # One copy of the compressor state per replica; multi_worker keeps one
@@ -421,6 +596,9 @@ STATE_SETTINGS = {
 def state_settings(cfg: dict) -> dict:
   """The `STATE_SETTINGS` of `cfg`, as written to `SETTINGS_FILE`."""
   out = {name: cfg.get(name) for name in STATE_SETTINGS}
+  # As JSON has them (tuples as lists), to compare with a saved file.
+  out.update(model_kwargs=json.loads(json.dumps(cfg.get("model_kwargs"))),
+             data=json.loads(json.dumps(cfg.get("data"))))
   out.update(
       mp_splits=",".join(cfg["splits"]),
       compression_exclude=list(cfg.get("compression_exclude") or ()),
@@ -465,7 +643,8 @@ def check_settings(cfg: dict) -> None:
   for name, key in STATE_SETTINGS.items():
     key = key or (lambda v: v)
     if name in saved and key(saved[name]) != key(current[name]):
-      flag = "workers in TF_CONFIG" if name == "workers" else f"--{name}"
+      flag = {"workers": "workers in TF_CONFIG", "model_kwargs": "--config.model",
+              "data": "--config.data"}.get(name, f"--{name}")
       differ.append(f"{flag} {show(saved[name])!r} -> {show(current[name])!r}")
   if differ:
     raise FlagError(f"--model_dir {cfg['model_dir']} holds a run with other settings "
@@ -664,6 +843,10 @@ class Job:
   def setup(self) -> "Job":
     cfg, spec = self.cfg, self.spec
     check_settings(cfg)
+    if (cfg.get("mode") == "eval" and cfg["replicator"] != "multi_worker"
+        and not tf.train.latest_checkpoint(cfg["model_dir"])):
+      raise FlagError(f"--mode=eval: --model_dir {cfg['model_dir']} holds no checkpoint to "
+                      "evaluate")
     self.repl = repl = self._create_replicator()
     if cfg["batch_size"] % repl.num_replicas:
       raise FlagError(f"--batch_size ({cfg['batch_size']}) must be divisible by the "
@@ -671,6 +854,8 @@ class Job:
     self.num_workers = max(1, repl.num_replicas // len(repl.replica_devices))
     k = repl.num_devices_per_replica
     splits = set(cfg["splits"])
+    # The config's `split` section: DCTSplit arguments (None: the layer's default).
+    split_kwargs = {key: v for key, v in (cfg.get("split") or {}).items() if v is not None}
 
     def split_fn(point):
       if point not in splits:
@@ -681,7 +866,7 @@ class Job:
       # with a device target applies the same mask in place.
       layer = tf_dct.layers.DCTSplit(
           cfg["mp_sparsity"], target_logical_device=target,
-          name=f"dct_split_{point}")
+          name=f"dct_split_{point}", **split_kwargs)
       self.split_layers.append(layer)
       return layer
 
@@ -705,6 +890,11 @@ class Job:
     model_dir = self._model_dir()
     if model_dir:
       self.manager = tf.train.CheckpointManager(self.ckpt, model_dir, max_to_keep=3)
+      if cfg.get("mode") == "eval" and not self.manager.latest_checkpoint:
+        raise FlagError(f"--mode=eval: --model_dir {model_dir} holds no checkpoint to "
+                        "evaluate")
+      if cfg.get("mode") != "eval" and getattr(repl, "is_chief", True):
+        write_config(cfg)
       if self.manager.latest_checkpoint:
         self.ckpt.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
         self.restored_from = self.manager.latest_checkpoint
@@ -781,6 +971,11 @@ class Job:
     self._last_log = (self.start_step, self.start_time)
     writer = self.writer or tf.summary.create_noop_writer()
     with writer.as_default(step=self.step):
+      if cfg.get("mode") == "eval":
+        self._evaluate()
+        self.wall = time.perf_counter() - self.start_time
+        writer.flush()
+        return self._summary()
       if self.start_step < cfg["steps"]:
         print("tracing the training step (first step; can take a minute) ...", flush=True)
         if cfg["loop"] == "custom":
@@ -788,7 +983,8 @@ class Job:
         else:
           self._run_fit()
       self.wall = time.perf_counter() - self.start_time
-      if self.start_step >= cfg["steps"] or not self.evals.get(int(self.step.numpy())):
+      if self._evaluates() and (self.start_step >= cfg["steps"]
+                                or not self.evals.get(int(self.step.numpy()))):
         self._evaluate()
       writer.flush()
     return self._summary()
@@ -896,8 +1092,13 @@ class Job:
       self.manager.save(checkpoint_number=int(self.step.numpy()))
       if getattr(self.repl, "is_chief", True):
         write_settings(self.cfg)
-    self._evaluate()
+    if self._evaluates():
+      self._evaluate()
     self._clock = time.perf_counter()
+
+  def _evaluates(self) -> bool:
+    """Whether this run evaluates at its checkpoints (not --mode=train)."""
+    return self.cfg.get("mode", MODES[0]) != "train"
 
   def steady(self) -> dict | None:
     """`steady_state` of this run so far: the steps after its first one."""
@@ -1212,15 +1413,98 @@ def data_error_in(error: tf.errors.OpError) -> str | None:
   return found.group(1).strip().strip("'\"") if found else None
 
 
+_FLAG_VALUE = re.compile(r"^--?(model|config|mode|model_dir)(?:=(.*))?$")
+_OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")
+
+
+def expand_config_argv(argv: list[str]) -> list[str]:
+  """`argv` with a `--config` that names a file, for ml_collections' flag.
+
+  A preset name (`--config=local`) becomes the config file of `--model` with
+  that preset, a saved `config.json` the file that reads it, and without
+  `--config` the file of `--model` comes first (so `--config.<field>`
+  overrides work without it). Checks that every `--config.<field>` names a
+  field of that config.
+
+  Raises:
+    FlagError: an unknown field (named, with the fields there are) or a
+      config that does not load.
+  """
+  args = list(argv)
+  model, config_at, value = FLAGS["model"].default, None, None
+  named = {}
+  i = 1
+  while i < len(args) and args[i] != "--":
+    found = _FLAG_VALUE.match(args[i])
+    if found:
+      at, text = i, found.group(2)
+      if text is None and i + 1 < len(args):
+        at, text = i + 1, args[i + 1]
+        i += 1
+      if found.group(1) == "model":
+        model = text
+      elif found.group(1) == "config":
+        config_at, value = at, text
+      else:
+        named[found.group(1)] = text
+    i += 1
+  if value is None:
+    value = saved_config(named.get("mode"), named.get("model_dir"))
+  if model not in registry.SPECS:
+    return args  # absl names the bad --model
+  config = load_config(value, model)
+  for arg in args[1:]:
+    found = _OVERRIDE.match(arg)
+    if found:
+      _check_field(config, found.group(1))
+  if value is None or value in CONFIGS:
+    text = configs.path(model) + (f":{value}" if value else "")
+  elif value.endswith(".json"):
+    text = f"{configs.path('saved')}:{value}"
+  else:
+    return args
+  if config_at is None:
+    args.insert(1, f"--config={text}")
+  elif args[config_at].startswith("-"):
+    args[config_at] = f"--config={text}"
+  else:
+    args[config_at] = text
+  return args
+
+
+def _check_field(config: ml_collections.ConfigDict, path: str) -> None:
+  """Raises FlagError unless `path` ("model.d_model") is a field of `config`."""
+  node, done = config, []
+  for key in path.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+      where = f"config.{'.'.join(done)}" if done else "the config"
+      fields = (", ".join(sorted(node.keys())) if isinstance(node, ml_collections.ConfigDict)
+                else "none: it is a value")
+      raise FlagError(f"--config.{path}: {where} of --model={config.model_name} has no "
+                      f"field {key!r}; its fields: {fields}")
+    node, done = node[key], done + [key]
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, then `hide_gpus`.
+  """absl's flag parsing (`expand_config_argv` first), then `hide_gpus`.
 
   `app.run` calls this before its after-init callbacks, one of which
-  (TensorFlow's, registered on import) lists the GPUs.
+  (TensorFlow's, registered on import) lists the GPUs. A bad `--config`
+  stops with one line, as a bad flag does.
   """
-  args = app.parse_flags_with_usage(argv)
+  try:
+    args = expand_config_argv(argv)
+  except FlagError as e:
+    print(f"launch.train: error: {e}", file=sys.stderr)
+    sys.exit(1)
+  # ml_collections finds the `--config.<field>` overrides in sys.argv.
+  saved, sys.argv = sys.argv, args
+  try:
+    rest = app.parse_flags_with_usage(args)
+  finally:
+    sys.argv = saved
   hide_gpus(FLAGS.replicator)
-  return args
+  return rest
 
 
 def run() -> None:
