@@ -66,6 +66,10 @@ class ParseTest(parameterized.TestCase, tf.test.TestCase):
     self.assertEqual(cfg["config"], "local")
     self.assertEqual(cfg["model_kwargs"]["d_model"], 48)
     self.assertEqual(cfg["data"], {"tokenizer": "bytes", "max_len": 24})
+    # A preset, space-separated, becomes the file of --model with that preset.
+    self.assertEqual(
+        train.expand_config_argv(["p", "--model", "ncf", "--config", "local", "--steps=2"]),
+        ["p", "--model", "ncf", "--config", f"{configs.path('ncf')}:local", "--steps=2"])
     # The Quick start: no flag at all is the default DLRM, as before.
     cfg = _resolved()
     self.assertEqual((cfg["model"], cfg["config"], cfg["steps"], cfg["batch_size"]),
