@@ -1390,7 +1390,8 @@ def main(argv):
   tf.get_logger().setLevel("ERROR")
   try:
     cfg = resolved_config()
-    print(f"training {cfg['model']} ({cfg['config']}): {cfg['steps']} steps, global batch "
+    verb = "evaluating the latest checkpoint of" if cfg["mode"] == "eval" else "training"
+    print(f"{verb} {cfg['model']} ({cfg['config']}): {cfg['steps']} steps, global batch "
           f"{cfg['batch_size']}, --replicator={cfg['replicator']}, "
           f"--compression={cfg['compression']}; building the model ...", flush=True)
     train(cfg)
