@@ -47,6 +47,7 @@ import tf_dct
 from tf_dct import keras as tf_dct_keras
 from launch import configs
 from launch import registry
+from launch import summaries
 from models.data.errors import DataError
 from models.data.errors import MALFORMED
 
@@ -148,6 +149,10 @@ flags.DEFINE_integer("steps", None, "Training steps in total, resumed ones inclu
 flags.DEFINE_integer("eval_every", None, "Evaluate (and checkpoint) every N steps; 0: only at "
                      "the end. Default 0.")
 flags.DEFINE_integer("log_every", None, "Steps between progress lines. Default 50 (local 10).")
+flags.DEFINE_integer("summary_every", None,
+                     "Steps between the compressor's per-variable TensorBoard scalars "
+                     "(density, threshold, counters of every variable); 0 (never) or a "
+                     "multiple of --log_every. Default: 10 x --log_every.")
 flags.DEFINE_string("model_dir", "", "Checkpoints and TensorBoard summaries; empty: neither.")
 flags.DEFINE_enum("loop", "custom", LOOPS,
                   "custom: Replicator.run(step_fn, input_fn); fit: tf-keras model.fit.")
@@ -164,11 +169,6 @@ FLAGS = flags.FLAGS
 
 # Launcher settings resolved per model/preset (flags defaulting to None).
 SETTINGS = (*registry.COMMON_DEFAULTS, "learning_rate")
-PLAIN = ("model", "config", "data_dir", "replicator", "tpu", "compression", "warmup_steps",
-         "sparsity_schedule",
-         "min_size", "min_count", "momentum_correction", "adam_correction",
-         "compression_exclude", "sparse_gradients", "dense_gradients", "model_dir",
-         "loop", "seed")
 # Flags that are fields of the config, under the same name.
 CONFIG_FLAGS = (*configs.LAUNCHER_DEFAULTS, *SETTINGS)
 # The config's sections -> their key in the resolved configuration.
@@ -435,6 +435,10 @@ def validate(cfg: dict) -> None:
   for name in ("eval_every", "warmup_steps", "min_size"):
     if cfg[name] < 0:
       raise FlagError(f"--{name} must be >= 0, got {cfg[name]}")
+  try:
+    cfg["summary_every"] = summaries.resolve_summary_every(cfg)
+  except ValueError as e:
+    raise FlagError(str(e)) from None
   if cfg["optimizer"] not in OPTIMIZERS:
     raise FlagError(f"--optimizer: unknown optimizer {cfg['optimizer']!r}; expected one "
                     f"of {OPTIMIZERS}")
@@ -815,7 +819,7 @@ class Job:
     self.repl = self.model = self.optimizer = self.compressor = None
     self.split_layers: list = []
     self.placement: dict[str, int] = {}
-    self.manager = self.writer = None
+    self.manager = self.summaries = None
     self.restored_from = None
     self.input_restored = False  # the checkpoint holds the input's position
 
@@ -902,7 +906,8 @@ class Job:
             name.startswith(self._input_key() + "/")
             for name, _ in tf.train.list_variables(self.restored_from)))
         print(f"restored {self.restored_from} at step {int(self.step.numpy())}", flush=True)
-      self.writer = tf.summary.create_file_writer(model_dir)
+    self.summaries = summaries.Summaries(cfg, model_dir)
+    self.summaries.gate(self.compressor)
     return self
 
   def _keras_loss(self):
@@ -967,14 +972,14 @@ class Job:
     # it, evaluations and checkpoints left out: the steady state.
     self.first_step_seconds = None
     self.steady_seconds = 0.0
+    self.summaries.write_hparams(summaries.hparams(
+        cfg, self.repl.num_replicas, sparsifier=cfg["compression"] in SPARSIFIERS,
+        adam_correction=adam_correction(cfg)), self.spec.metric)
     self.start_time = self._clock = time.perf_counter()
-    self._last_log = (self.start_step, self.start_time)
-    writer = self.writer or tf.summary.create_noop_writer()
-    with writer.as_default(step=self.step):
+    with self.summaries.training():
       if cfg.get("mode") == "eval":
         self._evaluate()
         self.wall = time.perf_counter() - self.start_time
-        writer.flush()
         return self._summary()
       if self.start_step < cfg["steps"]:
         print("tracing the training step (first step; can take a minute) ...", flush=True)
@@ -986,7 +991,6 @@ class Job:
       if self._evaluates() and (self.start_step >= cfg["steps"]
                                 or not self.evals.get(int(self.step.numpy()))):
         self._evaluate()
-      writer.flush()
     return self._summary()
 
   def _run_custom(self):
@@ -1014,7 +1018,8 @@ class Job:
       self.optimizer.apply_gradients(zip(grads, variables))
       return loss
 
-    for _ in range(self.start_step, cfg["steps"]):
+    for step in range(self.start_step, cfg["steps"]):
+      self.summaries.begin_step(step + 1)
       loss = float(repl.reduce("sum", repl.run(step_fn, input_fn), axis=None))
       self.step.assign_add(1)
       self._after_step(loss)
@@ -1040,6 +1045,9 @@ class Job:
 
       def on_epoch_begin(self, epoch, logs=None):
         self.prev = 0.0
+
+      def on_train_batch_begin(self, batch, logs=None):
+        job.summaries.begin_step(int(job.step.numpy()) + 1)
 
       def on_train_batch_end(self, batch, logs=None):
         mean = float(logs["loss"])
@@ -1075,14 +1083,11 @@ class Job:
     else:
       self.steady_seconds += now - self._clock
     self.losses.append(loss)
-    tf.summary.scalar("train/loss", loss, step=step)
-    for name, value in (train_metrics or {}).items():
-      tf.summary.scalar(f"train/{name}", value, step=step)
     if not math.isfinite(loss):
       raise TrainingDiverged.at(loss, step, cfg)
     last = step == cfg["steps"]
     if step % cfg["log_every"] == 0 or last:
-      self._log(step, loss)
+      self._log(step, loss, train_metrics or {})
     if evaluate and ((cfg["eval_every"] and step % cfg["eval_every"] == 0) or last):
       self._checkpoint_and_evaluate()
     self._clock = time.perf_counter()
@@ -1106,12 +1111,12 @@ class Job:
     return steady_state(step - self.start_step - 1, self.steady_seconds,
                         self.cfg["batch_size"], self.cfg["steps"] - step)
 
-  def _log(self, step: int, loss: float) -> None:
-    now = time.perf_counter()
-    prev_step, prev_time = self._last_log
-    rate = (step - prev_step) / max(now - prev_time, 1e-9)
-    self._last_log = (step, now)
-    tf.summary.scalar("train/steps_per_sec", rate, step=step)
+  def _log(self, step: int, loss: float, train_metrics: dict) -> None:
+    self.summaries.log(
+        step, loss=loss, metrics=train_metrics,
+        learning_rate=float(tf.convert_to_tensor(self.optimizer.learning_rate)),
+        timed_steps=step - self.start_step - 1, timed_seconds=self.steady_seconds,
+        batch_size=self.cfg["batch_size"], mp=self.mp_bytes())
     line = f"step {step:>6}/{self.cfg['steps']}  loss {loss:.5f}"
     steady = self.steady()
     if steady:
@@ -1123,27 +1128,14 @@ class Job:
       line += (f"  sent {_mb(comm['bytes_sent'])}/replica (stock TF "
                f"{_mb(comm['stock_bytes'])}, {comm['stock_ratio']:.2f}x; densified "
                f"{comm['ratio']:.1f}x)  density {comm['last_density']:.4f}")
-    if comm:
-      for key in ("bytes_sent", "bytes_received", "stock_bytes", "dense_bytes",
-                  "payload_bytes", "stock_payload_bytes"):
-        tf.summary.scalar(f"comm/total_{key}", comm[key], step=step)
-      for key in ("stock_ratio", "stock_payload_ratio"):
-        tf.summary.scalar(f"comm/{key}", comm[key], step=step)
-      tf.summary.scalar("comm/density", comm["last_density"], step=step)
-      for name, tau in comm["thresholds"].items():
-        tf.summary.scalar(f"comm/threshold/{name}", tau, step=step)
-    mp = self.mp_bytes()
-    if mp:
-      tf.summary.scalar("mp/total_bytes", mp["bytes"], step=step)
-      tf.summary.scalar("mp/total_dense_bytes", mp["dense_bytes"], step=step)
     print(line, flush=True)
 
   def _evaluate(self) -> dict:
-    result = self.spec.evaluate(self.model, self.cfg)
+    with self.summaries.evaluation():
+      result = self.spec.evaluate(self.model, self.cfg)
     step = int(self.step.numpy())
     self.evals[step] = result
-    for name, value in result.items():
-      tf.summary.scalar(f"eval/{name}", value, step=step)
+    self.summaries.eval(step, result)
     print(f"eval at step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in result.items()),
           flush=True)
     return result

@@ -45,6 +45,7 @@ LAUNCHER_DEFAULTS = {
     "min_count": config_dict.placeholder(int), "momentum_correction": True,
     "adam_correction": True, "compression_exclude": (), "sparse_gradients": "auto",
     "dense_gradients": "auto", "loop": "custom", "seed": 0,
+    "summary_every": config_dict.placeholder(int),
 }
 # Sub-configs every config has (filled per model).
 SECTIONS = ("model", "data", "eval", "split")

@@ -155,9 +155,9 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
           seen[value.tag] = (event.step, float(tf.make_ndarray(value.tensor)),
                              value.metadata.plugin_data.plugin_name)
     self.assertEqual(seen, {
-        "split0/forward_bytes": (5, compact, "scalars"),
-        "split0/backward_bytes": (5, back, "scalars"),
-        "split0/dense_bytes": (5, 4 * 64 * 4, "scalars")})
+        "tf_dct_mp/split0/forward_bytes": (5, compact, "scalars"),
+        "tf_dct_mp/split0/backward_bytes": (5, back, "scalars"),
+        "tf_dct_mp/split0/dense_bytes": (5, 4 * 64 * 4, "scalars")})
 
   @parameterized.named_parameters(*FLAVOURS)
   def test_rank_3_and_low_precision(self, cls):

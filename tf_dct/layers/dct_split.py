@@ -47,9 +47,10 @@ active calls. The counts are the sizes of the tensors that cross, values and
 indices; nothing else crosses when at most one axis of the input is unknown
 (with more, the shape vector also crosses, which is not counted). The
 backward bytes are set when the forward runs with training=True. If
-a default `tf.summary` writer is active, the first replica writes them as
-scalars `<name>/forward_bytes`, `<name>/backward_bytes`, `<name>/dense_bytes`
-at `tf.summary.experimental.get_step()` (or the call count).
+a default `tf.summary` writer is active and records, the first replica
+writes them as scalars `tf_dct_mp/<name>/forward_bytes`, `/backward_bytes`
+and `/dense_bytes` at `tf.summary.experimental.get_step()` (or the call
+count), one TensorBoard group for every split layer.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ STAT_NAMES = ("forward_bytes", "backward_bytes", "dense_bytes",
               "total_forward_bytes", "total_backward_bytes",
               "total_dense_bytes", "calls")
 
+# The TensorBoard group of the split layers' scalars.
+SUMMARY_GROUP = "tf_dct_mp"
 _SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
     plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"))
 
@@ -102,7 +105,7 @@ class SplitCore:
     sketch_seed: seed of the fixed Gaussian sketch ("gaussian_sketch").
     feedback_rows: rows of the error-feedback residual ("xgrad_topk"); default:
       the product of the static leading dimensions of the first input.
-    name: prefix of the summary scalars.
+    name: the layer's name; its summary scalars are `tf_dct_mp/<name>/...`.
   """
 
   def __init__(self, sparsity: float = 0.9, mode: str = "dct",
@@ -298,7 +301,7 @@ class SplitCore:
       # tf.summary.write with the "scalars" plugin tag is what
       # tf.summary.scalar writes; it works without TensorBoard installed and
       # is a no-op without a default writer.
-      tf.summary.write(f"{self.name}/{tag}", tf.cast(value, tf.float32),
+      tf.summary.write(f"{SUMMARY_GROUP}/{self.name}/{tag}", tf.cast(value, tf.float32),
                        step=step, metadata=_SCALAR_METADATA)
 
   def read_stats(self) -> dict[str, int]:
