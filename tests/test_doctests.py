@@ -13,7 +13,8 @@ from absl.testing import parameterized
 from tests import util
 
 # The modules whose docstrings carry examples. Imported by name: the package
-# `tf_dct.dct_mp` exports a function `dct_mp` that hides its module `dct_mp`.
+# `tf_dct.dct_mp` exports functions that hide modules of the same name
+# (`gaussian_sketch`, `xgrad_topk`).
 MODULES = (
     "tf_dct.compression.accounting",
     "tf_dct.compression.sparse_wire",

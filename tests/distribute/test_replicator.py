@@ -1,11 +1,13 @@
 """Tests for tf_dct.distribute.replicator: run(step_fn, input_fn), logical_device, paper examples."""
 
+from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
 import tf_dct
 from tests import util
+from tests.distribute import replicator_test_utils
 
 
 def setUpModule():
@@ -221,12 +223,14 @@ def _dense_model(seed, sizes=(4, 3, 1)):
   return model
 
 
-class PaperExamplesTest(tf.test.TestCase):
+class PaperExamplesTest(parameterized.TestCase, tf.test.TestCase):
   """The three snippets of TF-Replicator §3.2–3.4, checked against numpy."""
 
-  def test_multi_optimizer_step(self):
+  @parameterized.named_parameters(*replicator_test_utils.named_replicators(
+      "four_devices", "multi_worker_local"))
+  def test_multi_optimizer_step(self, make_replicator):
     # §3.2: two losses, two optimizers in one step_fn (D4PG-style critic/actor).
-    repl = tf_dct.Replicator()
+    repl = make_replicator()
     rng = np.random.default_rng(0)
     obs = rng.normal(size=(8, 4)).astype(np.float32)
     target = rng.normal(size=(8, 1)).astype(np.float32)
@@ -267,9 +271,10 @@ class PaperExamplesTest(tf.test.TestCase):
                          ref_critic.get_weights() + ref_actor.get_weights()):
       self.assertAllClose(got, want, rtol=1e-5, atol=1e-6)
 
-  def test_cross_replica_batch_norm(self):
+  @parameterized.named_parameters(*replicator_test_utils.named_replicators())
+  def test_cross_replica_batch_norm(self, make_replicator):
     # §3.4: batch norm over the global batch through all_sum.
-    repl = tf_dct.Replicator()
+    repl = make_replicator()
     h = np.random.default_rng(3).normal(size=(8, 5)).astype(np.float32)
 
     def batch_norm(x):
