@@ -477,7 +477,7 @@ def main() -> None:
 
   @section("conservation")
   def _():
-    import conservation  # pylint: disable=g-import-not-at-top
+    from tests import conservation  # pylint: disable=g-import-not-at-top
     from tf_dct import compression  # pylint: disable=g-import-not-at-top
     repl3 = tf_dct.MultiWorkerReplicator(input_replication=tf_dct.PER_REPLICA)
     results = {}

@@ -52,7 +52,7 @@ import time
 from typing import Mapping, Sequence
 
 # tests/distribute/multi_worker_util.py -> the repository root (which holds tf_dct/).
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 
 BASE_ENV = {
