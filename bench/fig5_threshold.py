@@ -29,8 +29,8 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from tf_dct import layers  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tf_dct import ops  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct import dct_mp as layers  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct import dct_mp as ops  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 D_IN, HIDDEN = 16, 128
 SPARSITIES = (0.75, 0.9)

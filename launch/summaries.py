@@ -26,7 +26,7 @@ from absl import logging
 import tensorflow as tf
 
 from tf_dct.compression.accounting import write_scalar
-from tf_dct.layers.dct_split import SUMMARY_GROUP as MP_GROUP
+from tf_dct.dct_mp.split import SUMMARY_GROUP as MP_GROUP
 
 TRAIN, EVAL = "train", "eval"
 METRICS = "metrics"    # the loss and the model's metrics, train and eval

@@ -45,6 +45,7 @@ import tf_keras
 
 import tf_dct
 from tf_dct import keras as tf_dct_keras
+from tf_dct.keras import placement
 from launch import configs
 from launch import registry
 from launch import summaries
@@ -611,7 +612,7 @@ def state_settings(cfg: dict) -> dict:
       adam_correction=adam_correction(cfg), workers=None)
   if cfg["replicator"] == "multi_worker":
     try:
-      cluster = (tf_dct.multi_worker.validate_tf_config() or {}).get("cluster", {})
+      cluster = (tf_dct.distribute.multi_worker.validate_tf_config() or {}).get("cluster", {})
       out["workers"] = len(cluster.get("chief", ())) + len(cluster.get("worker", ()))
     except ValueError:
       pass  # creating the replicator reports it
@@ -664,66 +665,6 @@ def write_settings(cfg: dict) -> None:
   with tf.io.gfile.GFile(path + ".tmp", "w") as f:
     json.dump(state_settings(cfg), f, indent=1, sort_keys=True)
   tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
-
-
-# --- model parallelism -----------------------------------------------------------
-
-
-def _inbound_layers(layer) -> list:
-  out = []
-  for node in layer._inbound_nodes:  # pylint: disable=protected-access
-    inbound = node.inbound_layers
-    out += inbound if isinstance(inbound, (list, tuple)) else [inbound]
-  return out
-
-
-def place_stages(model, split_layers: list, k: int) -> dict[str, int]:
-  """Runs every layer of a functional model on logical device (stage % k).
-
-  A layer's stage is the largest stage among its inputs, plus one after a
-  split layer. Split j (forward order) produces its output on logical device
-  (j + 1) % k (`target_logical_device`), where the layers after it now run.
-  Each placed layer's `call` runs under `replicator.logical_device(i)` when
-  called in a replica context of a tf_dct replicator (elsewhere, e.g. in
-  evaluation, it runs unplaced). Returns {layer name: device index}.
-  """
-  splits = {id(l) for l in split_layers}
-  stage = {}
-  for layer in model.layers:  # topologically sorted
-    inbound = _inbound_layers(layer)
-    stage[id(layer)] = max([stage.get(id(l), 0) + (id(l) in splits) for l in inbound],
-                           default=0)
-  placed = {}
-  for layer in model.layers:
-    device = stage[id(layer)] % k
-    placed[layer.name] = device
-    if id(layer) in splits:
-      want = (stage[id(layer)] + 1) % k
-      if layer.get_config()["target_logical_device"] != want:
-        raise ValueError(f"split {layer.name} targets device "
-                         f"{layer.get_config()['target_logical_device']} but the layers "
-                         f"after it are on device {want} (splits are not a chain)")
-    if device:
-      _run_on_logical_device(layer, device)
-  return placed
-
-
-def _run_on_logical_device(layer, index: int) -> None:
-  original = layer.call
-
-  def call(*args, **kwargs):
-    strategy = tf.distribute.get_strategy()
-    ctx = tf.distribute.get_replica_context()
-    if (isinstance(strategy, tf_dct.replicator.ReplicatorMixin) and ctx is not None
-        and not tf.distribute.in_cross_replica_context()):
-      with strategy.logical_device(index):
-        return original(*args, **kwargs)
-    return original(*args, **kwargs)
-
-  call.__wrapped__ = original
-  call.__name__ = getattr(original, "__name__", "call")
-  call.__doc__ = original.__doc__
-  layer.call = call
 
 
 # --- the job ---------------------------------------------------------------------
@@ -868,7 +809,7 @@ class Job:
       target = (j + 1) % k if k > 1 else None
       # Outside a replica (building the functional model, evaluation) a layer
       # with a device target applies the same mask in place.
-      layer = tf_dct.layers.DCTSplit(
+      layer = tf_dct.dct_mp.DCTSplit(
           cfg["mp_sparsity"], target_logical_device=target,
           name=f"dct_split_{point}", **split_kwargs)
       self.split_layers.append(layer)
@@ -885,7 +826,7 @@ class Job:
         self.model.compile(optimizer=self.optimizer, loss=self._keras_loss(),
                            metrics=metrics)
     if k > 1 and self.split_layers:
-      self.placement = place_stages(self.model, self.split_layers, k)
+      self.placement = placement.place_stages(self.model, self.split_layers, k)
     # Building the wrapped optimizer creates its slots and the compressor's
     # state now, so a restore fills them at once (and the first step traces
     # once).

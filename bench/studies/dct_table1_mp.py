@@ -9,7 +9,7 @@ still as good and 95% loses 0.18%.
 Every run is a `launch.train.Job` (the launcher's training loop), one
 replica, the splits mask-only (DCTSplit on the same device: the values and
 gradients are exactly those a compact transfer would deliver, see
-tests/layers). Model and data: `models/dlrm.py` with the paper's dimensions on
+tests/dct_mp). Model and data: `models/dlrm.py` with the paper's dimensions on
 the synthetic Criteo-shaped stream (labels drawn from a fixed random DLRM-like
 teacher, so there is a signal to learn).
 
@@ -205,8 +205,8 @@ def split_row_bytes(mode: str, d: int, sparsity: float) -> tuple[int, int, int]:
   """(forward, backward, dense one way) bytes per row of one training step at a
   split of width d: the split layer's own byte model (`SplitCore.message_bytes`)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_dct import ops  # pylint: disable=g-import-not-at-top
-  from tf_dct.layers.dct_split import SplitCore  # pylint: disable=g-import-not-at-top
+  from tf_dct import dct_mp as ops  # pylint: disable=g-import-not-at-top
+  from tf_dct.dct_mp.split import SplitCore  # pylint: disable=g-import-not-at-top
   fwd, bwd, dense = SplitCore(sparsity, mode).message_bytes(
       1, d, ops.num_kept(d, sparsity), tf.float32, True)
   return int(fwd), int(bwd), int(dense)

@@ -7,7 +7,7 @@ compresses the backward X_grad with per-row top-k and error feedback
 uncompressed model (Table 6: +1.76/+2.60/+4.03%, Table 7: +0.51/+1.10/+5.53%),
 while DCT-MP (Table 1) keeps it at 75-95%.
 
-Here all three run through the same split layer (`tf_dct.layers.DCTSplit` with
+Here all three run through the same split layer (`tf_dct.dct_mp.DCTSplit` with
 mode "dct", "gaussian_sketch" or "xgrad_topk") at the same sparsity eta, in
 `launch.train.Job` on one replica (mask-only, as in dct_table1_mp), DLRM with
 the paper's dimensions on the synthetic Criteo-shaped stream. eta fixes the

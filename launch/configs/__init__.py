@@ -13,7 +13,7 @@ Every config has the same fields:
 * `model_name`, `preset`;
 * `model`: the keyword arguments of the model's `build_model` (dimensions);
 * `data`, `eval`: reader and evaluation settings of the model, if any;
-* `split`: extra `tf_dct.layers.DCTSplit` arguments for the `--mp_splits`
+* `split`: extra `tf_dct.dct_mp.DCTSplit` arguments for the `--mp_splits`
   layers (`mode`, `sketch_seed`, `feedback_rows`);
 * one field per launcher flag that sets up training (`batch_size`, `steps`,
   `optimizer`, `compression`, ...; `--model_dir` and `--mode` are not part

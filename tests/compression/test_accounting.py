@@ -14,7 +14,7 @@ from tf_dct.compression import accounting
 from tf_dct.compression import sparse_wire
 from tests import util
 from tests.compression import harness
-from tests.ops import test_native
+from tests.compression import test_native
 
 CLTK = harness.compress_all(compression.CLTK)
 DCTDP = harness.compress_all(compression.DCTDP)

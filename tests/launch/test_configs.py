@@ -256,7 +256,7 @@ class BenchStudiesTest(tf.test.TestCase):
     # The check finds what it looks for.
     sample = pathlib.Path(self.create_tempdir().full_path) / "sample.py"
     sample.write_text("import tf_dct\nfrom bench import fig5\nfrom unittest import mock\n"
-                      "tf_dct.layers.DCTSplit = None\nfig5.SPARSITIES = ()\n"
+                      "tf_dct.dct_mp.DCTSplit = None\nfig5.SPARSITIES = ()\n"
                       "setattr(tf_dct, 'x', 1)\nmock.patch.object(fig5, 'x')\n"
                       "local = object()\n", encoding="utf-8")
     self.assertEqual(_patches(sample), [f"sample.py:{i}" for i in (4, 5, 6, 7)])

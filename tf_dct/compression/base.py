@@ -554,7 +554,7 @@ class Compressor(tf.Module):
     """Whether selection time is measured (tf.timestamp has no XLA kernel)."""
     if self.time_selection is not None:
       return bool(self.time_selection)
-    return not getattr(self._replicator, "_jit_compile", False)
+    return not getattr(self._replicator, "jit_compile", False)
 
   def record(self, variable: tf.Variable, *, gather_bytes: int = 0,
              reduce_bytes: int = 0, nnz=None, sent=None, threshold=None,
