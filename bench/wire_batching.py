@@ -38,13 +38,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import time  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from absl import app, flags  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import tensorflow as tf  # pylint: disable=wrong-import-position
-
-import tf_dct  # pylint: disable=wrong-import-position
-from tf_dct.compression import dct_dp_fast  # pylint: disable=wrong-import-position
-from tf_dct.compression import sparse_wire  # pylint: disable=wrong-import-position
-
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["200x40", "100x100", "50x128"],
                   "buffers per replica x slots per buffer")
@@ -58,6 +51,21 @@ flags.DEFINE_integer("mlp_width", 32, "units per hidden layer of --mlp_layers",
                      lower_bound=1)
 flags.DEFINE_integer("repeats", 7, "timed blocks per side", lower_bound=1)
 flags.DEFINE_integer("calls", 10, "exchanges per timed block", lower_bound=1)
+
+if __name__ == "__main__":
+  # A bad flag is refused here, before TensorFlow loads (seconds earlier);
+  # app.run parses the flags again.
+  app.define_help_flags()
+  app.parse_flags_with_usage(sys.argv)
+  FLAGS.unparse_flags()
+
+import numpy as np  # pylint: disable=wrong-import-position
+import tensorflow as tf  # pylint: disable=wrong-import-position
+
+import tf_dct  # pylint: disable=wrong-import-position
+from tf_dct.compression import dct_dp_fast  # pylint: disable=wrong-import-position
+from tf_dct.compression import sparse_wire  # pylint: disable=wrong-import-position
+
 
 REPLICAS = 4
 
