@@ -74,8 +74,9 @@ class AsyncReplicatorTest(tf.test.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.fault_state = {}
-    # One cluster for every section: starting a second one (4 more
-    # TensorFlow processes) costs more than its sections.
+    # One cluster for every section, one after the other: a second cluster
+    # would start 4 more TensorFlow processes (some 20 s of CPU) on the same
+    # cores.
     cls.train = cls.fault = multi_worker_util.run_cluster(
         SCRIPT, args=["--mode=all"], timeout=360,
         monitor=_fault_monitor(cls.fault_state))
