@@ -66,6 +66,7 @@ import time  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "smoke run (n = 4 only, few steps)")
 flags.DEFINE_integer("steps", None, "training steps per compressor and n "

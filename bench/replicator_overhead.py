@@ -63,6 +63,7 @@ import time
 
 from absl import app
 from absl import flags
+
 NUM_DEVICES = 4
 GOAL = 1.03
 

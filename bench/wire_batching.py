@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import time  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from absl import app, flags  # pylint: disable=wrong-import-position
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["200x40", "100x100", "50x128"],
                   "buffers per replica x slots per buffer")
@@ -51,6 +52,31 @@ flags.DEFINE_integer("mlp_width", 32, "units per hidden layer of --mlp_layers",
                      lower_bound=1)
 flags.DEFINE_integer("repeats", 7, "timed blocks per side", lower_bound=1)
 flags.DEFINE_integer("calls", 10, "exchanges per timed block", lower_bound=1)
+
+
+def parse(shape: str) -> tuple[int, int]:
+  """'VxC' -> (V, C), or a ValueError naming --shapes."""
+  try:
+    count, capacity = (int(x) for x in shape.split("x"))
+  except ValueError:
+    count = capacity = 0
+  if count < 1 or capacity < 1:
+    raise ValueError(f"--shapes: each must be 'VxC' with integers V, C >= 1, "
+                     f"got {shape!r}")
+  return count, capacity
+
+
+def _check_shapes(shapes) -> bool:
+  """The --shapes validator: `parse`'s error, before TensorFlow loads."""
+  for shape in shapes:
+    try:
+      parse(shape)
+    except ValueError as e:
+      raise flags.ValidationError(str(e)) from None
+  return True
+
+
+flags.register_validator("shapes", _check_shapes)
 
 if __name__ == "__main__":
   # A bad flag is refused here, before TensorFlow loads (seconds earlier);
@@ -68,18 +94,6 @@ from tf_dct.compression import sparse_wire  # pylint: disable=wrong-import-posit
 
 
 REPLICAS = 4
-
-
-def parse(shape: str) -> tuple[int, int]:
-  """'VxC' -> (V, C), or a ValueError naming --shapes."""
-  try:
-    count, capacity = (int(x) for x in shape.split("x"))
-  except ValueError:
-    count = capacity = 0
-  if count < 1 or capacity < 1:
-    raise ValueError(f"--shapes: each must be 'VxC' with integers V, C >= 1, "
-                     f"got {shape!r}")
-  return count, capacity
 
 
 def exchange_fn(repl, data, n, encoding, batch_capacity):
