@@ -66,15 +66,6 @@ import time  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
-import tf_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tf_dct import compression  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tf_dct.compression import deft  # pylint: disable=g-import-not-at-top,wrong-import-position
-from bench.studies import deft_fig9_selection as fig9  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tests.compression import reference_deft  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "smoke run (n = 4 only, few steps)")
@@ -118,6 +109,23 @@ flags.register_validator(
     "compressors",
     lambda names: names is None or set(names) <= set(NAMES + EXTRA),
     message=f"--compressors: each must be one of {NAMES + EXTRA}")
+
+if __name__ == "__main__":
+  # A bad flag is refused here, before TensorFlow loads (seconds earlier);
+  # app.run parses the flags again.
+  app.define_help_flags()
+  app.parse_flags_with_usage(sys.argv)
+  FLAGS.unparse_flags()
+
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tf_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct import compression  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct.compression import deft  # pylint: disable=g-import-not-at-top,wrong-import-position
+from bench.studies import deft_fig9_selection as fig9  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests.compression import reference_deft  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def make_compressor(name, lam):

@@ -63,11 +63,6 @@ import time
 
 from absl import app
 from absl import flags
-import numpy as np
-import tensorflow as tf
-import tf_keras
-
-import tf_dct
 
 NUM_DEVICES = 4
 GOAL = 1.03
@@ -107,6 +102,19 @@ flags.DEFINE_integer("seed", 0, "Seed for data and initial weights.")
 flags.register_validator(
     "batch_size", lambda b: b % NUM_DEVICES == 0,
     message=f"--batch_size must be a multiple of {NUM_DEVICES}")
+
+if __name__ == "__main__":
+  # A bad flag is refused here, before TensorFlow loads (seconds earlier);
+  # app.run parses the flags again.
+  app.define_help_flags()
+  app.parse_flags_with_usage(sys.argv)
+  FLAGS.unparse_flags()
+
+import numpy as np  # pylint: disable=wrong-import-position
+import tensorflow as tf  # pylint: disable=wrong-import-position
+import tf_keras  # pylint: disable=wrong-import-position
+
+import tf_dct  # pylint: disable=wrong-import-position
 
 
 # --- model, data, step ----------------------------------------------------------

@@ -38,12 +38,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import time  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from absl import app, flags  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import tensorflow as tf  # pylint: disable=wrong-import-position
-
-import tf_dct  # pylint: disable=wrong-import-position
-from tf_dct.compression import dct_dp_fast  # pylint: disable=wrong-import-position
-from tf_dct.compression import sparse_wire  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["200x40", "100x100", "50x128"],
@@ -59,8 +53,6 @@ flags.DEFINE_integer("mlp_width", 32, "units per hidden layer of --mlp_layers",
 flags.DEFINE_integer("repeats", 7, "timed blocks per side", lower_bound=1)
 flags.DEFINE_integer("calls", 10, "exchanges per timed block", lower_bound=1)
 
-REPLICAS = 4
-
 
 def parse(shape: str) -> tuple[int, int]:
   """'VxC' -> (V, C), or a ValueError naming --shapes."""
@@ -72,6 +64,36 @@ def parse(shape: str) -> tuple[int, int]:
     raise ValueError(f"--shapes: each must be 'VxC' with integers V, C >= 1, "
                      f"got {shape!r}")
   return count, capacity
+
+
+def _check_shapes(shapes) -> bool:
+  """The --shapes validator: `parse`'s error, before TensorFlow loads."""
+  for shape in shapes:
+    try:
+      parse(shape)
+    except ValueError as e:
+      raise flags.ValidationError(str(e)) from None
+  return True
+
+
+flags.register_validator("shapes", _check_shapes)
+
+if __name__ == "__main__":
+  # A bad flag is refused here, before TensorFlow loads (seconds earlier);
+  # app.run parses the flags again.
+  app.define_help_flags()
+  app.parse_flags_with_usage(sys.argv)
+  FLAGS.unparse_flags()
+
+import numpy as np  # pylint: disable=wrong-import-position
+import tensorflow as tf  # pylint: disable=wrong-import-position
+
+import tf_dct  # pylint: disable=wrong-import-position
+from tf_dct.compression import dct_dp_fast  # pylint: disable=wrong-import-position
+from tf_dct.compression import sparse_wire  # pylint: disable=wrong-import-position
+
+
+REPLICAS = 4
 
 
 def exchange_fn(repl, data, n, encoding, batch_capacity):

@@ -7,6 +7,7 @@ import os
 import re
 
 from absl.testing import parameterized
+import pytest
 import tensorflow as tf
 
 from bench import quality
@@ -246,6 +247,7 @@ class FlagsTest(parameterized.TestCase):
     self.assertEqual(quality.build_compressor("dense"), (None, "none", []))
 
 
+@pytest.mark.slow(seconds=17)  # one tiny training run per optimizer
 class TinyRunTest(tf.test.TestCase):
   """The benchmark's core on ncf (local preset), 4 steps, dense and DCT-DP, 2 seeds."""
 

@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 
+import pytest
 import tensorflow as tf
 
 from bench import reproduce
@@ -43,6 +44,7 @@ class ReproduceDctTest(tf.test.TestCase):
     for study in reproduce.discover():
       self.assertIn(study, out.getvalue())
 
+  @pytest.mark.slow(seconds=12)
   def test_table1_tiny_run_writes_table_and_plot(self):
     out = self.create_tempdir().full_path
     reproduce.main(["dct_table1_mp", "--quick", "--model_config", "local", "--steps", "2",
@@ -57,6 +59,7 @@ class ReproduceDctTest(tf.test.TestCase):
                  "The paper's Table 1"):
       self.assertIn(text, md)
 
+  @pytest.mark.slow(seconds=14)
   def test_tables_6_7_tiny_run(self):
     md = run_tiny(self, "dct_tables_6_7", "--model_config", "local",
                   "--sparsities", "0.9", "--eval_batches", "1", "--batch_size", "32")
@@ -64,6 +67,7 @@ class ReproduceDctTest(tf.test.TestCase):
                  "| top-k X_grad + EF | 90% |", "The paper's Table 7"):
       self.assertIn(text, md)
 
+  @pytest.mark.slow(seconds=17)
   def test_table4_transformer_tiny_run(self):
     md = run_tiny(self, "dct_table4_transformer", "--sparsities", "0.9", "--num_splits",
                     "1", "--layers", "1", "--d_model", "16", "--ffn_dim", "32",

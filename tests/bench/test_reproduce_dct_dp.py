@@ -6,6 +6,7 @@ Two training steps per run through `bench/reproduce.py`: the plumbing of
 so that pytest-xdist (`--dist loadfile`) can run it beside the other one.
 """
 
+import pytest
 import tensorflow as tf
 
 from tests import util
@@ -18,6 +19,7 @@ def setUpModule():
 
 class ReproduceDctDpTest(tf.test.TestCase):
 
+  @pytest.mark.slow(seconds=13)
   def test_table2_dp_tiny_run(self):
     md = test_reproduce_dct.run_tiny(self, "dct_table2_dp", "--model_config", "local",
                                      "--sparsities", "0.9", "--eval_batches", "1",
@@ -25,6 +27,7 @@ class ReproduceDctDpTest(tf.test.TestCase):
     for text in ("| 90% |", "density_band=None", "The paper's Table 2"):
       self.assertIn(text, md)
 
+  @pytest.mark.slow(seconds=14)
   def test_table3_hybrid_tiny_run(self):
     md = test_reproduce_dct.run_tiny(self, "dct_table3_hybrid", "--model_config", "local",
                                      "--sparsities", "0.9", "--eval_batches", "1",

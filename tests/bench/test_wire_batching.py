@@ -25,6 +25,7 @@ def test_bad_flags_are_refused_by_name(args, message):
   assert_refused("wire_batching.py", args, message)
 
 
+@pytest.mark.slow(seconds=18)
 def test_prints_one_row_per_shape_and_encoding():
   # The script checks that both sides return the same sums before timing.
   proc = _run("--shapes=3x4,2x200", "--repeats=1", "--calls=1",

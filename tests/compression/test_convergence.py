@@ -146,7 +146,7 @@ def _custom_loop_keras3(compressor):
   return _final_loss(model, x, y)
 
 
-@pytest.mark.slow  # 6 trainings of 640 steps on 4 replicas
+@pytest.mark.slow(seconds=50)  # 6 trainings of 640 steps on 4 replicas
 class ConvergenceTest(tf.test.TestCase):
 
   def _check(self, train):

@@ -267,7 +267,7 @@ class DensityTest(tf.test.TestCase):
       if n == 8:  # whole-model top-k per replica builds up; DEFT does not
         self.assertGreater(min(topk_density), 2 * density)
 
-  @pytest.mark.slow
+  @pytest.mark.slow(seconds=20)
   def test_eight_real_replicas(self):
     # tf_dct's own DEFT on 8 replicas (a subprocess: this process has 4
     # logical CPUs); 2 and 4 replicas are checked in process.

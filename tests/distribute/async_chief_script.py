@@ -9,8 +9,9 @@ section and writes `<result_dir>/chief_0.json`:
 
 A failing section is recorded and the run goes on. The file is rewritten
 after every section (and as `progress` while the fault section trains), so a
-test can follow the run. `--mode=fault` runs the worker-restart and
-checkpoint-restart sections instead of the training ones.
+test can follow the run. The training sections run first, then the
+worker-restart and checkpoint-restart section ("fault"), then the section
+whose closure fails; `--mode=train` or `--mode=fault` runs only those.
 
 The regression data and the numpy reference live at the top (no TensorFlow),
 so the test imports them too.
@@ -105,7 +106,7 @@ def main() -> None:
   import multi_worker_util  # pylint: disable=g-import-not-at-top
 
   parser = argparse.ArgumentParser()
-  parser.add_argument("--mode", default="train", choices=["train", "fault"])
+  parser.add_argument("--mode", default="all", choices=["all", "train", "fault"])
   parser.add_argument("--fault_steps", type=int, default=500)
   args = multi_worker_util.parse_worker_args(parser=parser)
   out = {"sections": {}, "errors": {}, "timings": {}, "done": False,
@@ -179,7 +180,7 @@ def main() -> None:
     def section(name):  # pylint: disable=function-redefined
       return _orig_section(name) if name in only.split(",") else (lambda fn: fn)
 
-  if args.mode == "train":
+  if args.mode in ("train", "all"):
 
     @section("meta")
     def _():
@@ -296,29 +297,8 @@ def main() -> None:
       except Exception as e:  # pylint: disable=broad-except
         return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
 
-    # Last: a failed closure must not disturb the sections before it.
-    @section("non_finite")
-    def _():
-      w, b = make_model()
-      push = AsyncPush(repl, DCTDP(0.9, threshold_life=7), learning_rate=LR,
-                       variables=[w, b])
-      train(push, w, b, 10)
-      before = {"w": w.numpy(), "residual_w": np.sum(push.residuals(w), 0)}
-
-      def bad_step_fn(batch):
-        _, grads = loss_and_grads(batch, w, b)
-        return push([grads[0], grads[1] * np.inf], [w, b])["entries_pushed"]
-      try:
-        repl.run(bad_step_fn, input_fn).fetch()
-        repl.join()
-        error = None
-      except Exception as e:  # pylint: disable=broad-except
-        error = f"{type(e).__name__}: {e}"
-      return {"error": error, "w_moved": float(np.abs(w.numpy() - before["w"]).max()),
-              "residual_moved": float(np.abs(
-                  np.sum(push.residuals(w), 0) - before["residual_w"]).max())}
-
-  else:  # fault mode: a worker is killed and restarted during "worker_restart"
+  if args.mode in ("fault", "all"):
+    # A worker is killed and restarted during "worker_restart".
 
     ckpt_dir = os.path.join(args.result_dir, "ckpt")
 
@@ -362,6 +342,30 @@ def main() -> None:
           "residual_w": np.sum(push.residuals(w), 0),
           "residual_b": np.sum(push.residuals(b), 0),
           "final_loss": full_loss(x_all, y_all, w.numpy(), b.numpy())}
+
+  if args.mode in ("train", "all"):
+
+    # Last: a failed closure must not disturb the sections before it.
+    @section("non_finite")
+    def _():
+      w, b = make_model()
+      push = AsyncPush(repl, DCTDP(0.9, threshold_life=7), learning_rate=LR,
+                       variables=[w, b])
+      train(push, w, b, 10)
+      before = {"w": w.numpy(), "residual_w": np.sum(push.residuals(w), 0)}
+
+      def bad_step_fn(batch):
+        _, grads = loss_and_grads(batch, w, b)
+        return push([grads[0], grads[1] * np.inf], [w, b])["entries_pushed"]
+      try:
+        repl.run(bad_step_fn, input_fn).fetch()
+        repl.join()
+        error = None
+      except Exception as e:  # pylint: disable=broad-except
+        error = f"{type(e).__name__}: {e}"
+      return {"error": error, "w_moved": float(np.abs(w.numpy() - before["w"]).max()),
+              "residual_moved": float(np.abs(
+                  np.sum(push.residuals(w), 0) - before["residual_w"]).max())}
 
   out["done"] = True
   flush()

@@ -487,6 +487,33 @@ def main() -> None:
                                        str(prefix))
     return results
 
+  # -- workers set up differently fail fast, each naming what differs --------
+  # Last: the replicator that fails here must not disturb the sections above.
+
+  @section("mixed_config")
+  def _():
+    from tf_dct import compression  # pylint: disable=g-import-not-at-top
+    record = {}
+    try:  # worker 1 compiles with XLA, worker 0 does not
+      tf_dct.MultiWorkerReplicator(jit_compile=(index == 1))
+      record["replicator"] = None
+    except ValueError as e:
+      record["replicator"] = str(e)
+    repl4 = tf_dct.MultiWorkerReplicator()
+    with repl4.scope():
+      opt = tf_keras.optimizers.SGD(0.1)
+      try:
+        repl4.wrap_optimizer(opt, compression=compression.DCTDP(
+            sparsity=0.9 if index == 0 else 0.99))
+        record["wrap"] = None
+      except ValueError as e:
+        record["wrap"] = str(e)
+      record["left_unwrapped"] = not hasattr(opt, "_tf_dct_compressor")
+      same = tf_keras.optimizers.SGD(0.1)
+      repl4.wrap_optimizer(same, compression=compression.DCTDP(sparsity=0.9))
+      record["same_wrapped"] = hasattr(same, "_tf_dct_compressor")
+    return record
+
   out["done"] = True
   flush()
   # Leave only when every peer is done too (no one is left in a collective).

@@ -1,16 +1,17 @@
 """AsyncReplicator on a local cluster of 1 chief, 2 workers and 1 ps.
 
-`setUpClass` runs `tests/distribute/async_chief_script.py` twice, concurrently, each on
-its own cluster (`multi_worker_util.run_cluster`, which kills every process
-it started, also on failure):
+`setUpClass` runs `tests/distribute/async_chief_script.py` once, on one cluster
+(`multi_worker_util.run_cluster`, which kills every process it started, also
+on failure), section after section:
 
-* "train": the API and its errors, async training of a linear regression
+* training: the API and its errors, async training of a linear regression
   (y = xW + b, W 64x8, b 8; noise floor ~0.0099) with dense pushes and with
   DCTDP(0.99) pushes, push accounting, conservation with and without the
-  stochastic drain, tf-keras `model.fit`.
-* "fault": after 100 healthy steps and a draining checkpoint, worker 1 is
+  stochastic drain, tf-keras `model.fit`;
+* fault: after 100 healthy steps and a draining checkpoint, worker 1 is
   SIGKILLed once 50 more steps completed and restarted 1 s later; the run
-  must finish its 500 steps, then restart from the checkpoint and train on.
+  must finish its 500 steps, then restart from the checkpoint and train on;
+* last, a step whose closure fails (non-finite gradient).
 
 Sync reference and tolerance. The asynchronous runs make ASYNC_STEPS = 1000
 pushes of a worker's batch of 64 (SGD, lr 0.03). The synchronous reference
@@ -29,7 +30,6 @@ run does not converge in 1000 steps); the band refreshes it early when the
 density drifts, and the early refreshes are counted and reported.
 """
 
-import concurrent.futures
 import json
 import os
 import pathlib
@@ -37,6 +37,7 @@ import time
 from unittest import mock
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_dct
@@ -66,19 +67,19 @@ def _fault_monitor(state):
   return monitor
 
 
+@pytest.mark.slow(seconds=80)  # one parameter-server cluster, ~3,000 async steps
 class AsyncReplicatorTest(tf.test.TestCase):
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
     cls.fault_state = {}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      train = pool.submit(multi_worker_util.run_cluster, SCRIPT,
-                          args=["--mode=train"], timeout=240)
-      fault = pool.submit(multi_worker_util.run_cluster, SCRIPT,
-                          args=["--mode=fault"], timeout=240,
-                          monitor=_fault_monitor(cls.fault_state))
-      cls.train, cls.fault = train.result(), fault.result()
+    # One cluster for every section, one after the other: a second cluster
+    # would start 4 more TensorFlow processes (some 20 s of CPU) on the same
+    # cores.
+    cls.train = cls.fault = multi_worker_util.run_cluster(
+        SCRIPT, args=["--mode=all"], timeout=360,
+        monitor=_fault_monitor(cls.fault_state))
 
   def run_ok(self, run):
     self.assertTrue(run.ok, msg=run.failure())

@@ -21,6 +21,7 @@ import time
 from unittest import mock
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -42,6 +43,7 @@ def f32(x):
   return np.asarray(x, np.float32)
 
 
+@pytest.mark.slow(seconds=45)  # one 2-worker run of every section
 class MultiWorkerTest(tf.test.TestCase):
   """Asserts on one 2-worker run of multi_worker_script.py."""
 
@@ -321,53 +323,12 @@ class MultiWorkerTest(tf.test.TestCase):
                        [f"st/_values/replica_{r}/.ATTRIBUTES/VARIABLE_VALUE"])
     self.assertNotAllEqual(sections[0]["restored"], sections[1]["restored"])
 
-
-class MixedConfigTest(tf.test.TestCase):
-  """Workers set up differently fail fast, each naming what differs."""
+  # -- workers set up differently ---------------------------------------------------
 
   def test_mismatched_replicator_and_compressor_settings_fail_fast(self):
-    script = pathlib.Path(self.get_temp_dir()) / "mixed.py"
-    script.write_text(textwrap.dedent("""\
-        import os
-        import multi_worker_util as u
-        args = u.parse_worker_args()
-        import tf_keras
-        import tf_dct
-        from tf_dct import compression
-        i = u.task_index()
-        out = {}
-        try:  # worker 1 compiles with XLA, worker 0 does not
-          tf_dct.MultiWorkerReplicator(jit_compile=(i == 1))
-          out["replicator"] = None
-        except ValueError as e:
-          out["replicator"] = str(e)
-        repl = tf_dct.MultiWorkerReplicator()
-        with repl.scope():
-          opt = tf_keras.optimizers.SGD(0.1)
-          try:
-            repl.wrap_optimizer(opt, compression=compression.DCTDP(
-                sparsity=0.9 if i == 0 else 0.99))
-            out["wrap"] = None
-          except ValueError as e:
-            out["wrap"] = str(e)
-          out["left_unwrapped"] = not hasattr(opt, "_tf_dct_compressor")
-          same = tf_keras.optimizers.SGD(0.1)
-          repl.wrap_optimizer(same, compression=compression.DCTDP(sparsity=0.9))
-          out["same_wrapped"] = hasattr(same, "_tf_dct_compressor")
-        out["done"] = True
-        u.write_result(args.result_dir, out)
-        # Worker 0 hosts the coordination service: nobody leaves early.
-        assert u.wait_for_peers(args.result_dir, u.cluster_size(), timeout=60)
-        os._exit(0)
-        """))
-    # A hang would hit the timeout (and fail); the check itself takes
-    # seconds once both workers are up.
-    results = multi_worker_util.run_workers(
-        script, num_workers=2, timeout=120,
-        env={"PYTHONPATH": str(multi_worker_util.TESTS_DIR)})
-    multi_worker_util.check_success(results)
-    for r in results:
-      out = r.result
+    # A hang would hit the run's timeout (and fail every test); the check
+    # itself takes seconds.
+    for out in self.section("mixed_config"):
       self.assertRegex(out["replicator"],
                        r"workers disagree on replicator settings \(jit_compile\)")
       self.assertIn("worker 0: jit_compile=False; worker 1: jit_compile=True",

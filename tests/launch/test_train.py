@@ -16,6 +16,7 @@ from unittest import mock
 from absl import flags
 from absl.testing import flagsaver
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_dct
@@ -288,6 +289,7 @@ class ModelsTest(tf.test.TestCase):
     _assert_learns(self, s)
     self.assertIn("accuracy", s["eval"])
 
+  @pytest.mark.slow(seconds=25)
   def test_transformer_mask_only_split(self):
     s = train.train(_cfg(model="transformer", compression="none", mp_splits="encoder_ffn_0",
                          steps=20))

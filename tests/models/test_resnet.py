@@ -3,6 +3,7 @@
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_keras
 
@@ -30,6 +31,7 @@ class ModelTest(tf.test.TestCase):
     self.assertEqual(sum(int(np.prod(v.shape)) for v in model.trainable_variables),
                      11_173_962)
 
+  @pytest.mark.slow(seconds=12)
   def test_trains_under_replicator(self):
     repl = tf_dct.Replicator()
     global_batch = 32
