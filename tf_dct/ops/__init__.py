@@ -9,7 +9,10 @@ from tf_dct.ops.compact_transfer import dct_mp_transfer
 from tf_dct.ops.compact_transfer import dense_bytes
 from tf_dct.ops.compact_transfer import densify
 from tf_dct.ops.dct_mp import dct_mp
+from tf_dct.ops.dct_mp import dct_mp_kept
 from tf_dct.ops.dct_mp import dct_mp_mask
+from tf_dct.ops.dct_mp import kept_at
+from tf_dct.ops.dct_mp import WARMUPS
 from tf_dct.ops.dct_mp import num_dropped
 from tf_dct.ops.dct_mp import num_kept
 from tf_dct.ops.gaussian_sketch import gaussian_sketch
@@ -25,9 +28,9 @@ from tf_dct.ops.index_wire import words_per_row
 from tf_dct.ops.xgrad_topk import xgrad_topk
 
 __all__ = [
-    "compact", "compact_bytes", "dct_mp", "dct_mp_mask", "dct_mp_transfer",
+    "compact", "compact_bytes", "dct_mp", "dct_mp_kept", "dct_mp_mask", "dct_mp_transfer",
     "decode_indices", "dense_bytes", "densify", "encode_indices",
     "gaussian_sketch", "index_bits", "index_bytes_per_row", "index_dtype_for",
-    "num_dropped", "num_kept", "pack_indices", "sketch_matrix",
-    "unpack_indices", "words_per_row", "xgrad_topk",
+    "kept_at", "num_dropped", "num_kept", "pack_indices", "sketch_matrix",
+    "unpack_indices", "WARMUPS", "words_per_row", "xgrad_topk",
 ]
