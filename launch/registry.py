@@ -40,7 +40,7 @@ COMMON_DEFAULTS = {
     "num_replicas": 4, "num_devices_per_replica": 1, "mp_splits": "",
     "optimizer": "adam",
     "sparsity": 0.99, "threshold_life": 1000, "density": 0.01,
-    "threshold": 1e-3, "mp_sparsity": 0.9,
+    "threshold": 1e-3, "mp_sparsity": 0.9, "mp_warmup_steps": 0, "mp_warmup": "linear",
 }
 # --config=local for every model: a smoke run (models add tiny dimensions).
 # Sparsity/density are loosened because a tiny layer at 0.99 sparsity sends a

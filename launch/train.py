@@ -140,6 +140,12 @@ flags.DEFINE_enum("dense_gradients", "auto", ("auto", "compress"),
                   "than compressing it (biases, small layers); compress compresses every "
                   "variable.")
 flags.DEFINE_float("mp_sparsity", None, "DCT-MP sparsity in [0, 1) at --mp_splits. Default 0.9.")
+flags.DEFINE_integer("mp_warmup_steps", None,
+                     "DCT-MP warm-up: training steps before the splits reach --mp_sparsity "
+                     "(see --mp_warmup); >= 0. Default 0.")
+flags.DEFINE_enum("mp_warmup", None, ("linear", "dense"),
+                  "DCT-MP warm-up shape: linear (sparsity rising from 0 to --mp_sparsity) or "
+                  "dense (unmasked). Default linear.")
 flags.DEFINE_string("mp_splits", None,
                     "Comma list of the model's split points to insert a DCTSplit at, 'paper' "
                     "(dlrm: bottom_1,top_1; transformer: encoder_ffn_4) or 'none'. Default: "
@@ -491,6 +497,8 @@ def validate(cfg: dict) -> None:
   cfg["splits"] = tuple(splits)
   if splits:
     _in_range(cfg, "mp_sparsity", 0, 1, False, True)
+    if cfg["mp_warmup_steps"] is None or cfg["mp_warmup_steps"] < 0:
+      raise FlagError(f"--mp_warmup_steps must be >= 0, got {cfg['mp_warmup_steps']}")
   kind = cfg["replicator"]
   if kind in ("multi_worker", "tpu"):
     for name in ("num_replicas", "num_devices_per_replica"):
@@ -585,6 +593,7 @@ STATE_SETTINGS = {
     "model_kwargs": None, "data": None,  # the model's dimensions, its vocabulary
     "data_dir": bool,  # real or synthetic data: table sizes follow the data
     "mp_splits": None,  # DCT-MP split layers and their counters
+    "mp_warmup_steps": lambda n: n > 0,  # the splits' step counters
     # One copy of the compressor state per replica; multi_worker keeps one
     # directory per worker.
     "replicator": lambda kind: kind if kind in ("multi_worker", "tpu") else "cpu/gpu",
@@ -811,6 +820,7 @@ class Job:
       # with a device target applies the same mask in place.
       layer = tf_dct.dct_mp.DCTSplit(
           cfg["mp_sparsity"], target_logical_device=target,
+          warmup_steps=cfg["mp_warmup_steps"], warmup=cfg["mp_warmup"],
           name=f"dct_split_{point}", **split_kwargs)
       self.split_layers.append(layer)
       return layer
@@ -1209,6 +1219,8 @@ def print_table(s: dict, cfg: dict) -> None:
       ("replicas x devices", f"{s['replicas']} x {s['devices_per_replica']}"),
       ("DP compression", comp),
       ("MP splits", (f"{','.join(s['mp_splits'])} (sparsity {cfg['mp_sparsity']}, "
+                     + (f"{cfg['mp_warmup']} warm-up {cfg['mp_warmup_steps']} steps, "
+                        if cfg.get("mp_warmup_steps") else "")
                      + ("compact transfer across devices)" if s["devices_per_replica"] > 1
                         else "mask only, same device)")) if s["mp_splits"] else "none"),
       ("steps", f"{s['steps']} ({s['steps'] - s['start_step']} this run)"),

@@ -32,6 +32,21 @@ def topk_mask(x: np.ndarray, sparsity: float) -> np.ndarray:
   return mask.reshape(a.shape)
 
 
+def topk_mask_k(x: np.ndarray, k: int) -> np.ndarray:
+  """`topk_mask` keeping k entries per row."""
+  d = x.shape[-1]
+  return topk_mask(x, (d - k) / d) if k < d else np.ones(x.shape, bool)
+
+
+def kept_at(step: int, d: int, k: int, warmup_steps: int, warmup: str) -> int:
+  """The warm-up schedule: d (dense) or d -> k linearly over W steps, then k."""
+  if step >= warmup_steps:
+    return k
+  if warmup == "dense":
+    return d
+  return d - math.floor((d - k) * step / warmup_steps)
+
+
 def forward(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
   """Line 10: X ⊙ M (dropped entries are +0)."""
   return np.where(mask, x, np.zeros_like(x))

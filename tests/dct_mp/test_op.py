@@ -50,6 +50,32 @@ class DctMpTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllEqual(rule.sum(-1), [4, 10, 4])
     self.assertTrue(np.all(rule[mask]))
 
+  @parameterized.parameters("linear", "dense")
+  def test_warmup_schedule_and_variable_k(self, warmup):
+    d, k, w = 10, 2, 4
+    x_np = reference.distinct((3, d), seed=3)
+    x = tf.constant(x_np)
+    kept_t = tf.function(lambda t: ops.kept_at(t, d, k, w, warmup))
+    for t in range(w + 3):
+      want = reference.kept_at(t, d, k, w, warmup)
+      self.assertEqual(ops.kept_at(t, d, k, w, warmup), want)
+      self.assertEqual(int(kept_t(tf.constant(t, tf.int64))), want)
+      mask = reference.topk_mask_k(x_np, want)
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = ops.dct_mp_kept(x, tf.constant(want))
+      self.assertAllEqual(y, reference.forward(x_np, mask))
+      self.assertAllEqual(tape.gradient(y, x, output_gradients=2 * x),
+                          reference.backward(2 * x_np, mask))
+    self.assertEqual([ops.kept_at(t, d, k, w, warmup) for t in range(w + 1)],
+                     {"linear": [10, 8, 6, 4, 2], "dense": [10, 10, 10, 10, 2]}[warmup])
+    # With ties the variable-k mask is the static op's (lowest index first).
+    ties = np.array([[1, 3, 3, 3, 0, 3, 0, 0, 2, 1], [0] * 9 + [5]], np.float32)
+    self.assertAllEqual(ops.dct_mp_kept(ties, tf.constant(3)),
+                        ops.dct_mp(ties, 0.7))
+    with self.assertRaisesRegex(ValueError, "warmup must be one of"):
+      ops.kept_at(0, d, k, w, "cosine")
+
   def test_gradient_is_that_of_x_times_fixed_mask(self):
     x = tf.constant(reference.distinct((3, 8), seed=2))
     mask = tf.cast(ops.dct_mp_mask(x, 0.75), tf.float32)

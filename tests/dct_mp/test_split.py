@@ -31,6 +31,7 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
   def test_config_round_trip(self, cls):
     layer = cls(0.75, mode="gaussian_sketch", apply_at_inference=True,
                 target_logical_device=1, sketch_seed=7, name="split")
+    self.assertEqual(cls(0.9, warmup_steps=7, warmup="dense").get_config()["warmup_steps"], 7)
     config = layer.get_config()
     again = cls.from_config(config)
     self.assertEqual(again.get_config(), config)
@@ -176,6 +177,13 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
       cls(0.9, mode="topk")
     with self.assertRaisesRegex(ValueError, "target_logical_device must be None or an int >= 0"):
       cls(0.9, target_logical_device=-1)
+    for bad in (-1, 1.5, True, "3"):
+      with self.assertRaisesRegex(ValueError, r"warmup_steps must be an int >= 0"):
+        cls(0.9, warmup_steps=bad)
+    with self.assertRaisesRegex(ValueError, r"warmup must be one of \('linear', 'dense'\)"):
+      cls(0.9, warmup_steps=5, warmup="cosine")
+    with self.assertRaisesRegex(ValueError, "warmup_steps > 0 needs mode='dct'"):
+      cls(0.9, mode="gaussian_sketch", warmup_steps=5)
     with self.assertRaisesRegex(ValueError, "not both"):
       cls(0.9, target_device="/cpu:1", target_logical_device=1)
     with self.assertRaisesRegex(ValueError, r"inputs must have rank >= 2"):
@@ -191,6 +199,61 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(layer.bytes_stats()["calls"], 1)  # the failed call left no trace
     # target_logical_device outside a tf_dct replica runs in place, and an
     # index past the replicator's devices is an error: test_split_replicas.py.
+
+  @parameterized.product(flavour=FLAVOURS, warmup=("linear", "dense"))
+  def test_warmup_schedule_accounting_and_restore(self, flavour, warmup):
+    _, cls = flavour
+    d, w = 10, 3
+    k = ops.num_kept(d, 0.8)  # 2
+    x_np = reference.distinct((3, d), seed=4)
+    x = tf.constant(x_np)
+    layer = cls(0.8, warmup_steps=w, warmup=warmup)
+    step_fn = tf.function(lambda v: layer(v, training=True))
+
+    def check(y, t, training=True):
+      kt = reference.kept_at(t, d, k, w, warmup)
+      self.assertAllEqual(y, reference.forward(x_np, reference.topk_mask_k(x_np, kt)))
+      stats = layer.bytes_stats()
+      dense = 3 * d * 4
+      want = (dense, dense if training else 0) if t < w else (3 * k * 5, 3 * k * 4 * training)
+      self.assertEqual((stats["forward_bytes"], stats["backward_bytes"]), want)
+
+    for t in range(2):  # eager, then traced: the same schedule
+      check(layer(x, training=True) if t == 0 else step_fn(x), t)
+    check(layer(x, training=False), 2, training=False)  # inference: current k, no step
+    ckpt = tf.train.Checkpoint(layer=layer)
+    path = ckpt.save(self.create_tempdir().full_path + "/ckpt")
+    for t in range(2, w + 2):
+      check(step_fn(x), t)
+    # A fresh layer restored from step 2 resumes the schedule there.
+    again = cls(0.8, warmup_steps=w, warmup=warmup)
+    again.build(x.shape)
+    tf.train.Checkpoint(layer=again).restore(path).assert_existing_objects_matched()
+    layer = again
+    for t in range(2, w + 1):
+      check(layer(x, training=True), t)
+
+  def test_warmup_with_a_target_device_sends_dense_then_compact(self):
+    layer = layers.DCTSplit(0.95, warmup_steps=1, target_device="/cpu:1")
+    x = _x((4, 512))
+    with tf.device("/cpu:1"):
+      w = tf.Variable(tf.ones([512, 1]))
+
+    @tf.function
+    def step(x):
+      with tf.device("/cpu:0"):
+        y = layer(x, training=True)
+        with tf.device("/cpu:1"):
+          loss = tf.reduce_sum(tf.matmul(y, w))
+        return y, tf.gradients(loss, x)[0]
+
+    for t, kept in ((0, 512), (1, 26)):
+      y, g = step(x)
+      mask = reference.topk_mask_k(x.numpy(), kept)
+      self.assertAllEqual(y, reference.forward(x.numpy(), mask))
+      self.assertAllEqual(g, mask.astype(np.float32))
+    self.assertEqual(layer.bytes_stats()["total_forward_bytes"],
+                     4 * 512 * 4 + 4 * (26 * 4 + 8 * 4))
 
   @parameterized.parameters("dct", "gaussian_sketch", "xgrad_topk")
   def test_bytes_stats_are_the_bytes_that_cross(self, mode):

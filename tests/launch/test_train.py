@@ -110,7 +110,9 @@ class DlrmRestartTest(tf.test.TestCase):
 
   def test_custom_loop_restart_restores_step_and_residuals(self):
     model_dir = self.create_tempdir().full_path
-    cfg = dict(model="dlrm", compression="dct", steps=30, model_dir=model_dir)
+    # The splits warm up over 20 of the 30 steps; their step counts resume.
+    cfg = dict(model="dlrm", compression="dct", steps=30, model_dir=model_dir,
+               mp_warmup_steps=20)
     job = train.Job(_cfg(**cfg)).setup()
     self.assertEqual(job.repl.num_replicas, 2)
     self.assertEqual(job.repl.num_devices_per_replica, 2)
@@ -132,6 +134,8 @@ class DlrmRestartTest(tf.test.TestCase):
     self.assertGreater(comm["stock_bytes"], comm["dense_bytes"])
     self.assertAllClose(comm["stock_ratio"], comm["stock_bytes"] / comm["bytes_sent"])
     self.assertGreater(first["mp"]["dense_bytes"], first["mp"]["bytes"])
+    split_steps = lambda j: [int(l._core.step.numpy()) for l in j.split_layers]  # pylint: disable=protected-access
+    self.assertEqual(split_steps(job), [30, 30])  # training calls only, not evaluation
     compressor = job.optimizer._tf_dct_compressor  # pylint: disable=protected-access
     variables = job.model.trainable_variables
     before = {v.name: compressor.state_for(v)["residual"].numpy() for v in variables}
@@ -148,7 +152,9 @@ class DlrmRestartTest(tf.test.TestCase):
       self.assertAllEqual(after["residual"].numpy(), before[v.name], msg=v.name)
       self.assertAllEqual(compressor.state_values(v)["threshold"],
                           thresholds[v.name], msg=v.name)
+    self.assertEqual(split_steps(resumed), [30, 30])
     second = resumed.run()
+    self.assertEqual(split_steps(resumed), [36, 36])
     self.assertEqual(second["steps"], 36)
     self.assertLen(second["losses"], 6)
     # TensorBoard: every training series at the logged steps of both runs
@@ -344,6 +350,7 @@ class FlagErrorsTest(tf.test.TestCase):
     self.assertFlagError(r"--threshold must be in \[0, inf\), got -1.0",
                          compression="threshold", threshold=-1.0)
     self.assertFlagError(r"--mp_sparsity must be in \[0, 1\), got 1.0", mp_sparsity=1.0)
+    self.assertFlagError(r"--mp_warmup_steps must be >= 0, got -1", mp_warmup_steps=-1)
     self.assertFlagError(r"--threshold_life must be >= 1, got 0", threshold_life=0)
     for bad in ("13", "x:0.5", "0:0.5", "5:1.0", "5:0"):
       self.assertFlagError(r"--sparsity_schedule: each item must be steps:sparsity with "

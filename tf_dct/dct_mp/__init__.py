@@ -12,8 +12,11 @@ from tf_dct.dct_mp.transfer import compact_bytes
 from tf_dct.dct_mp.transfer import dct_mp_transfer
 from tf_dct.dct_mp.transfer import dense_bytes
 from tf_dct.dct_mp.transfer import densify
+from tf_dct.dct_mp.op import WARMUPS
 from tf_dct.dct_mp.op import dct_mp
+from tf_dct.dct_mp.op import dct_mp_kept
 from tf_dct.dct_mp.op import dct_mp_mask
+from tf_dct.dct_mp.op import kept_at
 from tf_dct.dct_mp.op import num_dropped
 from tf_dct.dct_mp.op import num_kept
 from tf_dct.dct_mp.gaussian_sketch import gaussian_sketch
@@ -33,9 +36,9 @@ from tf_dct.dct_mp.keras3_split import DCTSplit as Keras3DCTSplit
 from tf_dct.dct_mp.tf_keras_split import DCTSplit
 
 __all__ = [
-    "DCTSplit", "Keras3DCTSplit", "MODES", "SplitCore", "compact", "compact_bytes", "dct_mp", "dct_mp_mask", "dct_mp_transfer",
+    "DCTSplit", "Keras3DCTSplit", "MODES", "SplitCore", "WARMUPS", "compact", "compact_bytes", "dct_mp", "dct_mp_kept", "dct_mp_mask", "dct_mp_transfer",
     "decode_indices", "dense_bytes", "densify", "encode_indices",
     "gaussian_sketch", "index_bits", "index_bytes_per_row", "index_dtype_for",
-    "num_dropped", "num_kept", "pack_indices", "sketch_matrix",
+    "kept_at", "num_dropped", "num_kept", "pack_indices", "sketch_matrix",
     "unpack_indices", "words_per_row", "xgrad_topk",
 ]

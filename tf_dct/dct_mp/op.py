@@ -135,3 +135,81 @@ def dct_mp(x, sparsity: float) -> tf.Tensor:
     return y, grad
 
   return masked(x)
+
+
+WARMUPS = ("linear", "dense")
+
+
+def kept_at(step, d: int, k: int, warmup_steps: int, warmup: str = "linear"):
+  """Entries kept per row at training step `step` (0-based) of a warm-up.
+
+  Before step `warmup_steps` the split keeps more than its final k: all d
+  entries ("dense"), or k_t = d - floor((d - k) * t / W), falling linearly
+  from d at t = 0 to k at t = W ("linear", i.e. the sparsity rises linearly
+  from 0 to its target). From step W on, k. Integer arithmetic, so the
+  schedule is exact. Why: layers after a split see their input change
+  abruptly when a freshly initialised model is masked from the first step.
+
+  Args:
+    step: int or integer tensor, the number of training steps before this one.
+    d: the row length.
+    k: the final number kept per row (1 <= k <= d).
+    warmup_steps: W >= 0; 0 means k from the first step.
+    warmup: "linear" or "dense".
+
+  Returns:
+    k_t, an int32 tensor (or an int for an int `step`).
+
+  Example:
+    >>> [kept_at(t, d=10, k=2, warmup_steps=4) for t in range(6)]
+    [10, 8, 6, 4, 2, 2]
+    >>> [kept_at(t, d=10, k=2, warmup_steps=2, warmup="dense") for t in range(3)]
+    [10, 10, 2]
+  """
+  if warmup not in WARMUPS:
+    raise ValueError(f"kept_at: warmup must be one of {WARMUPS}, got {warmup!r}")
+  if isinstance(step, numbers.Integral):
+    if step >= warmup_steps:
+      return k
+    return d if warmup == "dense" else d - (d - k) * step // warmup_steps
+  t = tf.minimum(tf.cast(step, tf.int64), warmup_steps)
+  if warmup == "dense":
+    kt = tf.where(t < warmup_steps, tf.constant(d, tf.int64), k)
+  else:
+    kt = d - (d - k) * t // max(warmup_steps, 1)
+  return tf.cast(kt, tf.int32)
+
+
+def dynamic_mask(x2: tf.Tensor, k) -> tf.Tensor:
+  """The DCT-MP mask of [N, d] for a tensor k (same ties as the static op).
+
+  Ranks every column by |x| with the order `top_k` uses (ties to the lower
+  index) and keeps ranks below k, so for k fixed it equals the mask of
+  `dct_mp_mask`.
+  """
+  d = x2.shape[-1]
+  order = tf.math.top_k(tf.abs(x2), k=d, sorted=True).indices
+  rank = tf.argsort(order, axis=-1, stable=True)
+  return rank < tf.cast(k, rank.dtype)
+
+
+def dct_mp_kept(x, k) -> tf.Tensor:
+  """DCT-MP keeping `k` (a scalar int tensor) entries per row, same mask backward.
+
+  The variable-k form used during a split's warm-up; `dct_mp` is the
+  static-k op.
+  """
+  x = tf.convert_to_tensor(x)
+  d = x.shape[-1]
+
+  @tf.custom_gradient
+  def masked(x):
+    mask = tf.reshape(dynamic_mask(tf.reshape(x, [-1, d]), k), tf.shape(x))
+    y = tf.where(mask, x, tf.zeros_like(x))
+
+    def grad(dy):
+      return tf.where(mask, dy, tf.zeros_like(dy))
+
+    return y, grad
+
+  return masked(x)

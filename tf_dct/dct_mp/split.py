@@ -18,6 +18,16 @@ evaluated with the mask. The Gaussian sketch is unbiased (E[S S^T] = I), so
 its dense forward is the expected one; "xgrad_topk" is the identity forward
 anyway.
 
+Warm-up ("dct"). With `warmup_steps` W > 0 the first W training calls keep
+more than k entries per row: all d (`warmup="dense"`) or a number falling
+linearly from d to k (`warmup="linear"`, the sparsity rising from 0 to its
+target; `tf_dct.dct_mp.kept_at` is the schedule). The layers after the split then
+start from dense inputs instead of being masked from their random
+initialisation on. The count of training calls is layer state (a variable
+saved with the layer), so a restored model resumes the schedule where it
+stopped. During the warm-up the activation crosses dense both ways (and is
+accounted so); inference uses the current step's k.
+
 Device boundary. With `target_device` (a device string) or
 `target_logical_device` (an index for the `logical_device` of the tf_dct
 Replicator running the step) the output is produced on that device and only
@@ -63,7 +73,10 @@ import tensorflow as tf
 from tf_dct.dct_mp.gaussian_sketch import gaussian_sketch
 from tf_dct.dct_mp.op import check_input
 from tf_dct.dct_mp.op import check_sparsity
+from tf_dct.dct_mp.op import WARMUPS
 from tf_dct.dct_mp.op import dct_mp
+from tf_dct.dct_mp.op import dct_mp_kept
+from tf_dct.dct_mp.op import kept_at
 from tf_dct.dct_mp.op import num_kept
 from tf_dct.dct_mp.transfer import compact_bytes
 from tf_dct.dct_mp.transfer import dct_mp_transfer
@@ -110,6 +123,10 @@ class SplitCore:
     sketch_seed: seed of the fixed Gaussian sketch ("gaussian_sketch").
     feedback_rows: rows of the error-feedback residual ("xgrad_topk"); default:
       the product of the static leading dimensions of the first input.
+    warmup_steps: training calls (>= 0) before the full sparsity ("dct"
+      only); see the module docstring.
+    warmup: "linear" (sparsity rising from 0) or "dense" (unmasked) during
+      the warm-up.
     name: the layer's name; its summary scalars are `tf_dct_mp/<name>/...`.
   """
 
@@ -118,6 +135,7 @@ class SplitCore:
                target_device: str | None = None,
                target_logical_device: int | None = None,
                sketch_seed: int = 0, feedback_rows: int | None = None,
+               warmup_steps: int = 0, warmup: str = "linear",
                name: str = "dct_split"):
     self.sparsity = check_sparsity(sparsity, "DCTSplit")
     if mode not in MODES:
@@ -141,6 +159,16 @@ class SplitCore:
                          f"got {value!r}")
     if isinstance(sketch_seed, bool) or not isinstance(sketch_seed, numbers.Integral):
       raise ValueError(f"DCTSplit: sketch_seed must be an int, got {sketch_seed!r}")
+    if (isinstance(warmup_steps, bool) or
+        not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0):
+      raise ValueError("DCTSplit: warmup_steps must be an int >= 0, got "
+                       f"{warmup_steps!r}")
+    if warmup not in WARMUPS:
+      raise ValueError(f"DCTSplit: warmup must be one of {WARMUPS}, got "
+                       f"{warmup!r}")
+    if warmup_steps and mode != "dct":
+      raise ValueError("DCTSplit: warmup_steps > 0 needs mode='dct', got "
+                       f"mode={mode!r}")
     self.mode = mode
     self.apply_at_inference = apply_at_inference
     self.target_device = target_device
@@ -148,6 +176,9 @@ class SplitCore:
                                   else int(target_logical_device))
     self.sketch_seed = int(sketch_seed)
     self.feedback_rows = None if feedback_rows is None else int(feedback_rows)
+    self.warmup_steps = int(warmup_steps)
+    self.warmup = warmup
+    self.step = None  # training calls so far (a variable when warmup_steps > 0)
     self.name = name
     self.stats: dict[str, Any] = {}
     self.residual = None
@@ -161,7 +192,8 @@ class SplitCore:
             "target_device": self.target_device,
             "target_logical_device": self.target_logical_device,
             "sketch_seed": self.sketch_seed,
-            "feedback_rows": self.feedback_rows}
+            "feedback_rows": self.feedback_rows,
+            "warmup_steps": self.warmup_steps, "warmup": self.warmup}
 
   def build(self, shape, add_variable: AddVariable) -> None:
     """Validates the input shape and creates the state."""
@@ -198,6 +230,8 @@ class SplitCore:
           f"{strategy.num_replicas_in_sync} replicas")
     self.d = d
     self.stats = {n: add_variable(n, [], tf.int64) for n in STAT_NAMES}
+    if self.warmup_steps:
+      self.step = add_variable("warmup_step", [], tf.int64)
     if self.mode == "xgrad_topk":
       self.feedback_rows = rows
       if isinstance(strategy, ReplicatorMixin):
@@ -258,15 +292,40 @@ class SplitCore:
     if d != self.d:
       raise ValueError(f"DCTSplit: built for d = {self.d}, got input {x.shape}")
     target = self._target()
-    if self.mode == "dct":
+    warm = None
+    if self.mode == "dct" and self.warmup_steps:
+      y, warm = self._dct_with_warmup(x, d, k, target, bool(training))
+    elif self.mode == "dct":
       y = dct_mp(x, self.sparsity) if target is None else dct_mp_transfer(
           x, self.sparsity, target)
     elif self.mode == "gaussian_sketch":
       y = gaussian_sketch(x, self.sparsity, self.sketch_seed, target)
     else:
       y = xgrad_topk(x, self.sparsity, self._residual_variable(), target)
-    self._account(x, d, k, bool(training))
+    self._account(x, d, k, bool(training), warm)
     return y
+
+  def _dct_with_warmup(self, x, d: int, k: int, target, training: bool):
+    """DCT-MP under the warm-up schedule; returns (y, in the warm-up)."""
+    step = tf.convert_to_tensor(self.step)
+    warm = step < self.warmup_steps
+    sparsity = self.sparsity
+
+    def warming():
+      y = dct_mp_kept(x, kept_at(step, d, k, self.warmup_steps,
+                                         self.warmup))
+      with device_scope(target):  # the activation crosses dense
+        return tf.identity(y)
+
+    def full():
+      return (dct_mp(x, sparsity) if target is None
+              else dct_mp_transfer(x, sparsity, target))
+
+    y = tf.cond(warm, warming, full)
+    if training:
+      with tf.control_dependencies([y]):
+        self.step.assign_add(1)
+    return y, warm
 
   def message_bytes(self, rows, d: int, k: int, dtype: tf.DType,
                     training: bool) -> tuple[Any, Any, Any]:
@@ -280,9 +339,12 @@ class SplitCore:
                          "xgrad_topk": (dense, compact)}[self.mode]
     return forward, backward if training else 0 * backward, dense
 
-  def _account(self, x, d: int, k: int, training: bool) -> None:
+  def _account(self, x, d: int, k: int, training: bool, warm=None) -> None:
     rows = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), tf.int64)
     fwd, bwd, dense = self.message_bytes(rows, d, k, x.dtype, training)
+    if warm is not None:  # the warm-up sends the dense activation both ways
+      fwd = tf.where(warm, dense, fwd)
+      bwd = tf.where(warm, dense if training else 0 * dense, bwd)
     s = self.stats
     s["forward_bytes"].assign(fwd)
     s["backward_bytes"].assign(bwd)
@@ -324,7 +386,7 @@ class SplitLayerMixin:
 
   Args:
     sparsity, mode, apply_at_inference, target_device, target_logical_device,
-    sketch_seed, feedback_rows: see `SplitCore`.
+    sketch_seed, feedback_rows, warmup_steps, warmup: see `SplitCore`.
     **kwargs: passed to the Keras layer (`name`, ...). Inputs are not
       autocast by default: the op runs in the input's dtype.
   """
@@ -334,11 +396,13 @@ class SplitLayerMixin:
                target_device: str | None = None,
                target_logical_device: int | None = None,
                sketch_seed: int = 0, feedback_rows: int | None = None,
+               warmup_steps: int = 0, warmup: str = "linear",
                **kwargs):
     # Validate before the Keras layer exists (Keras 3 allows no attribute
     # before its __init__).
     core = SplitCore(sparsity, mode, apply_at_inference, target_device,
-                     target_logical_device, sketch_seed, feedback_rows)
+                     target_logical_device, sketch_seed, feedback_rows,
+                     warmup_steps, warmup)
     kwargs.setdefault("autocast", False)
     super().__init__(**kwargs)
     core.name = self.name
