@@ -296,6 +296,7 @@ class ReplicatorMixin:
     """
     from tf_dct import keras as keras_adapters  # pylint: disable=g-import-not-at-top
     from tf_dct.compression import Dense  # pylint: disable=g-import-not-at-top
+    keras_adapters.check_optimizer(optimizer)
     compressor = Dense() if compression is None else compression
     keras_adapters.check_compression(compressor, self)
     if hasattr(compressor, "config"):

@@ -261,6 +261,22 @@ def _resolve_adam(optimizer, compressor: Compressor) -> None:
         owner, name)
 
 
+def check_optimizer(optimizer) -> None:
+  """Raises for an optimizer that only delegates to another one.
+
+  A `LossScaleOptimizer` (tf-keras or Keras 3) unscales the gradients and
+  hands them to its inner optimizer, which aggregates them: wrapping the
+  outer one would leave the aggregation uncompressed (tf-keras) or fail at
+  the first step (Keras 3). The inner optimizer is the one to wrap.
+  """
+  if any(c.__name__.startswith("LossScaleOptimizer")  # tf-keras: ...V3
+         for c in type(optimizer).__mro__):
+    raise TypeError(
+        "optimizer is a LossScaleOptimizer, which hands its gradients to its "
+        "inner optimizer; wrap the inner one and put the LossScaleOptimizer "
+        "around it: LossScaleOptimizer(repl.wrap_optimizer(SGD(...)))")
+
+
 def check_compression(compressor, replicator) -> None:
   """Raises unless `compressor` can serve one more optimizer of `replicator`.
 
@@ -288,6 +304,7 @@ def check_compression(compressor, replicator) -> None:
 
 def wrap_optimizer(optimizer, compressor: Compressor, replicator):
   """Wraps `optimizer` in place so it aggregates through `compressor`."""
+  check_optimizer(optimizer)
   check_compression(compressor, replicator)
   if is_wrapped(optimizer):
     raise ValueError("optimizer is already wrapped by tf_dct.wrap_optimizer")
