@@ -33,6 +33,7 @@ STEPS = 3
 LR = 0.1
 IN, OUT = 4, 2
 SPLIT_SPARSITY = 0.75
+CLIPNORM = 0.1
 # What `--multi_worker` runs (on every worker); the rest runs in one process.
 MULTI_WORKER_SECTIONS = ("multi_worker_custom_loop", "multi_worker_fit")
 
@@ -266,6 +267,14 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
                        "seen": [list(s.numpy()) for s in seen[i]],
                        "bytes_sent": opt.communication_stats()["total"]["bytes_sent"]}
     return results
+
+  @section("clipnorm")
+  def _():
+    # One step with global_clipnorm: where each flavour clips (docs/keras.md).
+    model, opt = build(optimizer=lambda: keras.optimizers.SGD(
+        LR, global_clipnorm=CLIPNORM))
+    repl.run(step_fn(model, opt), train_input(steps=1))
+    return {"w": weights(model)}
 
   @section("checkpoint")
   def _():

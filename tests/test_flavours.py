@@ -123,6 +123,30 @@ class FlavourTest(tf.test.TestCase, parameterized.TestCase):
         {"dense": False, "steps": [fs.STEPS - 1] * 2}])
 
   @parameterized.named_parameters(*FLAVOURS)
+  def test_where_gradients_are_clipped(self, flavour):
+    s = self.record(flavour, "clipnorm")
+    kernel, bias = (w.astype(np.float64) for w in fs.initial_weights())
+    x, y = (a.astype(np.float64) for a in fs.batch(0))
+    rows = fs.GLOBAL_BATCH // fs.NUM_REPLICAS
+    grads = []  # each replica's (kernel, bias) gradient
+    for r in range(fs.NUM_REPLICAS):
+      xr, err = x[r * rows:(r + 1) * rows], (x @ kernel + bias - y)[r * rows:(r + 1) * rows]
+      grads.append((2 * xr.T @ err / fs.GLOBAL_BATCH, 2 * err.sum(axis=0) / fs.GLOBAL_BATCH))
+
+    def clip(g):
+      norm = np.sqrt(sum(np.sum(a ** 2) for a in g))
+      return [a * min(1.0, fs.CLIPNORM / norm) for a in g]
+
+    if flavour == "tf_keras":  # the aggregate is clipped
+      update = clip([sum(g[i] for g in grads) for i in range(2)])
+    else:  # each replica's gradient is clipped, then they are summed
+      clipped = [clip(g) for g in grads]
+      update = [sum(g[i] for g in clipped) for i in range(2)]
+    self.assertGreater(np.sqrt(sum(np.sum(a ** 2) for a in grads[0])), fs.CLIPNORM)
+    for got, w0, u in zip(s["w"], (kernel, bias), update):
+      self.assertAllClose(got, w0 - fs.LR * u, rtol=1e-5, atol=1e-6)
+
+  @parameterized.named_parameters(*FLAVOURS)
   def test_every_compressor_conserves_the_gradient_mass(self, flavour):
     s = self.record(flavour, "every_compressor")
     self.assertEqual(sorted(s), sorted(COMPRESSORS))
