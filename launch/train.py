@@ -157,7 +157,7 @@ flags.DEFINE_integer("eval_every", None, "Evaluate (and checkpoint) every N step
 flags.DEFINE_integer("log_every", None, "Steps between progress lines. Default 50 (local 10).")
 flags.DEFINE_string("model_dir", "", "Checkpoints and TensorBoard summaries; empty: neither.")
 flags.DEFINE_enum("loop", "custom", LOOPS,
-                  "custom: Replicator.run(step_fn, input_fn); fit: tf-keras model.fit.")
+                  "custom: Replicator.run(step_fn, input_fn); fit: Keras model.fit.")
 flags.DEFINE_enum("optimizer", None, OPTIMIZERS,
                   "Optimizer: sgd, momentum (SGD with momentum 0.9), adam, adamw (Adam "
                   f"with decoupled weight decay {ADAMW_WEIGHT_DECAY}), adagrad. Default: "
@@ -288,6 +288,11 @@ def validate(cfg: dict) -> None:
         f"--model={cfg['model']} needs tf-keras (TensorFlow Recommenders needs "
         "tf.keras to be Keras 2), but this run uses Keras 3 (--keras=3, or "
         "TF_USE_LEGACY_KERAS=0 with --keras=auto); pass --keras=2")
+  if not LEGACY and cfg["loop"] == "fit" and cfg["replicator"] == "multi_worker":
+    raise FlagError(
+        "--loop=fit with --replicator=multi_worker needs tf-keras: Keras 3 model.fit "
+        "does not support MultiWorkerMirroredStrategy (upstream keras#20585); use "
+        "--loop=custom or --keras=2")
   for name in ("steps", "batch_size", "log_every", "num_replicas", "num_devices_per_replica",
                "threshold_life"):
     if cfg[name] is None or cfg[name] < 1:
@@ -859,7 +864,7 @@ class Job:
       self._after_step(loss)
 
   def _run_fit(self):
-    """tf-keras `model.fit` in chunks that end at each evaluation point.
+    """Keras `model.fit` in chunks that end at each evaluation point.
 
     Evaluation and checkpoints run between the chunks, outside fit (fit runs
     its callbacks inside the strategy scope, where the models' evaluation

@@ -1,7 +1,8 @@
 """The Keras flavour of this process, for the models that support both.
 
 TensorFlow reads `TF_USE_LEGACY_KERAS` once, when `tf.keras` is first
-resolved: "1" (or "true") makes `tf.keras` tf-keras, anything else Keras 3.
+resolved: "1", "true" or "True" make `tf.keras` tf-keras, anything else
+Keras 3 (`LEGACY` follows TensorFlow's own test).
 `keras` is that module; the models written against it run in either flavour.
 DLRM and NCF build on TensorFlow Recommenders, which needs tf-keras.
 """
@@ -12,5 +13,5 @@ import os
 
 import tensorflow as tf
 
-LEGACY = os.environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true")
+LEGACY = os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
 keras = tf.keras

@@ -509,6 +509,10 @@ class KerasFlavourTest(tf.test.TestCase):
             train.FlagError, rf"^--model={model} needs tf-keras .*; pass --keras=2$"):
           _cfg(model=model)
       self.assertEqual(_cfg(model="mlp")["model"], "mlp")
+      with self.assertRaisesRegex(
+          train.FlagError, r"^--loop=fit with --replicator=multi_worker needs "
+          r"tf-keras: .*keras#20585.*; use --loop=custom or --keras=2$"):
+        _cfg(model="mlp", loop="fit", replicator="multi_worker")
 
 
 class MultiWorkerScriptTest(tf.test.TestCase):
