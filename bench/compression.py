@@ -40,7 +40,7 @@ Prints:
 (d) step time of DCTDP(L=1000), DCTDP(L=1) (and the others) relative to
     Dense, n = 4, no network (logical CPUs share memory): interleaved timed
     blocks, median. DCT-DP runs its native kernels where they build
-    (tf_dct.ops.native); `--compressors='DCTDP(L=1000,stock)'` adds the
+    (tf_dct.compression.native); `--compressors='DCTDP(L=1000,stock)'` adds the
     same compressor on stock TensorFlow ops, for an A/B in one run, and
     `--compressors='DCTDP(L=1000,warmup phase)'` DCT-DP in its dense warm-up
     phase (each phase is its own traced step).

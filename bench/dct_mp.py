@@ -5,7 +5,7 @@ float32) and sparsity eta in {0.75, 0.9, 0.95}: the dense bytes of one
 direction, the compact bytes (k values + k column indices per row, either
 byte-aligned (uint8 for d <= 256, int16 up to 32768) or bit-packed into
 ceil(log2 d)-bit fields in int32 words, whichever is smaller, see
-`tf_dct.ops.index_wire`; backward only the k values, since both sides kept
+`tf_dct.dct_mp.index_wire`; backward only the k values, since both sides kept
 the indices), and the ratios. The compact count is also
 measured: a step with `dct_mp_transfer` from /cpu:0 to /cpu:1 is traced (with
 `tf.gradients`, which keeps each backward op on its forward op's device) and
@@ -42,8 +42,8 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-posi
 import tf_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tf_dct import layers  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tf_dct import ops  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct import dct_mp as layers  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct import dct_mp as ops  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 SPARSITIES = (0.75, 0.9, 0.95)
 

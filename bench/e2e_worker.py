@@ -35,7 +35,6 @@ Not meant to be run by hand; see bench/e2e_link.py.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -50,6 +49,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
+from launch import configs  # pylint: disable=g-import-not-at-top,wrong-import-position
 from launch import registry  # pylint: disable=g-import-not-at-top,wrong-import-position
 from launch import train  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -98,37 +98,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def launcher_config(args: argparse.Namespace) -> dict:
-  """The `launch.train` cfg dict of this run, validated by the launcher."""
-  spec = registry.SPECS["dlrm"]
-  cfg = dict(registry.COMMON_DEFAULTS)
-  cfg.update(spec.defaults)
-  cfg.update(
-      model="dlrm", config="default", data_dir="", replicator="multi_worker", tpu=None,
-      compression=COMPRESSION[args.config], warmup_steps=args.compression_warmup,
-      min_size=0, model_dir="",
-      loop="custom", seed=args.seed, batch_size=args.batch_size, steps=args.steps,
-      eval_every=0, log_every=10**9, optimizer=args.optimizer, learning_rate=args.learning_rate,
-      sparsity=args.sparsity, threshold_life=args.threshold_life, density=args.density,
-      mp_sparsity=args.mp_sparsity,
+  """The `launch.train` cfg dict of this run: the launcher's DLRM config with
+  `--vocab_size` rows per table and `--eval_steps` eval batches, resolved and
+  validated by the launcher."""
+  config = configs.get("dlrm", "default")
+  config.model.vocab_sizes = args.vocab_size
+  config.eval.steps = args.eval_steps
+  flags = dict(
+      replicator="multi_worker", compression=COMPRESSION[args.config],
+      warmup_steps=args.compression_warmup, seed=args.seed, batch_size=args.batch_size,
+      steps=args.steps, eval_every=0, log_every=10**9, optimizer=args.optimizer,
+      learning_rate=args.learning_rate, sparsity=args.sparsity,
+      threshold_life=args.threshold_life, density=args.density, mp_sparsity=args.mp_sparsity,
       mp_splits="paper" if args.config == "dctdp_mp" else "none",
-      compression_exclude=["embeddings"] if args.config == "dctdp_fc" else [],
-      explicit=frozenset())
-  if args.min_count is not None and cfg["compression"] in train.SPARSIFIERS:
-    cfg["min_count"] = args.min_count
-  train.validate(cfg)
-  return cfg
-
-
-def dlrm_spec(vocab_size: int, eval_steps: int) -> registry.ModelSpec:
-  """The launcher's DLRM spec with `vocab_size` rows per table, `eval_steps` eval batches."""
-  base = registry.SPECS["dlrm"]
-
-  def evaluate(spec, model, cfg):
-    return spec.load().evaluate(model, cfg["batch_size"], seed=cfg["seed"], steps=eval_steps,
-                                vocab_sizes=vocab_size)
-
-  return dataclasses.replace(base, model_kwargs={"vocab_sizes": vocab_size},
-                             evaluate_fn=evaluate, _module=None)
+      compression_exclude=["embeddings"] if args.config == "dctdp_fc" else [])
+  if args.min_count is not None and flags["compression"] in train.SPARSIFIERS:
+    flags["min_count"] = args.min_count
+  return train.resolve(config, flags)
 
 
 class Handshake:
@@ -160,10 +146,9 @@ class Handshake:
 class TimedJob(train.Job):
   """`launch.train.Job` plus the timed window and its handshakes."""
 
-  def __init__(self, cfg: dict, spec, handshake: Handshake, warmup_steps: int,
+  def __init__(self, cfg: dict, handshake: Handshake, warmup_steps: int,
                compressor=None):
     super().__init__(cfg, compressor=compressor)
-    self.spec = spec
     self.handshake = handshake
     self.warmup = warmup_steps
     self.step_times: list[float] = []
@@ -227,8 +212,7 @@ def main(argv=None) -> None:
   cfg = launcher_config(args)
   handshake = Handshake(args.handshake_dir, index, args.timeout)
   # dense uses the densifying Dense (see the module docstring).
-  job = TimedJob(cfg, dlrm_spec(args.vocab_size, args.eval_steps), handshake,
-                 args.warmup_steps,
+  job = TimedJob(cfg, handshake, args.warmup_steps,
                  compressor=DensifiedDense() if args.config == "dense" else None)
   job.setup()
   table = job.model.get_layer("embeddings").embeddings

@@ -29,8 +29,8 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tf_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from tf_dct import layers  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tf_dct import ops  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct import dct_mp as layers  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct import dct_mp as ops  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 D_IN, HIDDEN = 16, 128
 SPARSITIES = (0.75, 0.9)
@@ -57,7 +57,8 @@ def mean_threshold(h: tf.Tensor, sparsity: float) -> float:
 
 
 def train(sparsity: float | None, iterations: int, log_every: int,
-          batch: int, data, probe, optimizer: str) -> list[dict[float, float]]:
+          batch: int, data, probe, optimizer: str,
+          sparsities: tuple[float, ...] = SPARSITIES) -> list[dict[float, float]]:
   tf_keras.utils.set_random_seed(1)
   first = tf_keras.layers.Dense(HIDDEN, activation="relu")
   split = layers.DCTSplit(sparsity) if sparsity is not None else None
@@ -84,7 +85,7 @@ def train(sparsity: float | None, iterations: int, log_every: int,
   for it in range(iterations + 1):
     if it % log_every == 0:
       h = first(probe)
-      wanted = SPARSITIES if sparsity is None else (sparsity,)
+      wanted = sparsities if sparsity is None else (sparsity,)
       log.append({s: mean_threshold(h, s) for s in wanted})
     idx = rng.integers(0, len(x), batch)
     step(x[idx], y[idx])

@@ -39,7 +39,7 @@ def cluster_spec(num_workers: int = 2, num_ps: int = 1,
   # so that importing this module stays cheap, and with TensorFlow's start-up
   # log as quiet as in the tasks (`run`).
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  from tf_dct.ports import free_ports  # pylint: disable=g-import-not-at-top
+  from tf_dct.distribute.ports import free_ports  # pylint: disable=g-import-not-at-top
   ports = free_ports(1 + num_workers + num_ps)
   return {"chief": [f"{host}:{ports[0]}"],
           "worker": [f"{host}:{p}" for p in ports[1:1 + num_workers]],
@@ -126,7 +126,7 @@ def demo(steps: int = 1000) -> None:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_dct.async_replicator import AsyncReplicator  # pylint: disable=g-import-not-at-top
+  from tf_dct.distribute.async_replicator import AsyncReplicator  # pylint: disable=g-import-not-at-top
   from tf_dct.compression import DCTDP  # pylint: disable=g-import-not-at-top
   from tf_dct.compression.async_push import AsyncPush  # pylint: disable=g-import-not-at-top
 

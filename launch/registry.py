@@ -7,13 +7,15 @@ evaluation, its split points, and the launcher defaults that suit it. The
 model modules are imported lazily, so `--model=mlp` never imports TFRS or
 tensorflow-text.
 
-Launcher defaults per model (`ModelSpec.defaults`) fill the flags that were not
-given; `ModelSpec.local` is what `--config=local` changes on top of them (tiny
-dimensions, few steps). The learning rate depends on the optimizer as well as
-on the model: `ModelSpec.learning_rates` (and `local_learning_rates` for
-`--config=local`) map every optimizer to a rate that trains. Everything is
-plain data, listed by `python -m launch.train --helpfull` and documented in
-docs/launch.md.
+Launcher defaults per model (`ModelSpec.defaults`) are the training settings
+of the model's config (`launch/configs/<model>.py`, which adds the model's
+dimensions); `ModelSpec.local` is what the `local` preset changes on top of
+them (few steps). The learning rate depends on the optimizer as well as on the
+model: `ModelSpec.learning_rates` (and `local_learning_rates` for the `local`
+preset) map every optimizer to a rate that trains. The hooks read the model's
+dimensions and its data and evaluation settings from the resolved
+configuration (`cfg["model_kwargs"]`, `cfg["data"]`, `cfg["eval"]`).
+Everything is plain data, documented in docs/launch.md.
 """
 
 from __future__ import annotations
@@ -55,8 +57,6 @@ class ModelSpec:
   Attributes:
     name: the `--model` value.
     module: import path of the model module.
-    model_kwargs: keyword arguments of `build_model` for the full-size model.
-    local_model_kwargs: the same for `--config=local` (tiny dimensions).
     defaults: launcher flag values for this model (over COMMON_DEFAULTS).
     local: launcher flag values for `--config=local` (over COMMON_LOCAL).
     learning_rates: {optimizer: learning rate} of the default preset, one
@@ -77,8 +77,6 @@ class ModelSpec:
 
   name: str
   module: str
-  model_kwargs: dict = dataclasses.field(default_factory=dict)
-  local_model_kwargs: dict = dataclasses.field(default_factory=dict)
   defaults: dict = dataclasses.field(default_factory=dict)
   local: dict = dataclasses.field(default_factory=dict)
   learning_rates: dict = dataclasses.field(default_factory=dict)
@@ -106,7 +104,8 @@ class ModelSpec:
     return self._module
 
   def kwargs(self, cfg: dict) -> dict:
-    return dict(self.local_model_kwargs if cfg["config"] == "local" else self.model_kwargs)
+    """`build_model`'s keyword arguments: the config's `model` section."""
+    return dict(cfg["model_kwargs"])
 
   def build(self, cfg: dict, split_fn=None):
     """The tf-keras model; `split_fn(point)` may return a layer (has_splits)."""
@@ -168,10 +167,6 @@ def _mlp_evaluate(spec, model, cfg):
 
 # --- dlrm --------------------------------------------------------------------
 
-DLRM_LOCAL = {"vocab_sizes": 20, "embedding_dim": 4, "bottom_mlp": (8, 6, 4),
-              "top_mlp": (8, 6, 1)}
-
-
 def _dlrm_build(spec, cfg, split_fn):
   return spec.load().build_model(seed=cfg["seed"], data_dir=_data_dir(cfg),
                                  split_fn=split_fn, **spec.kwargs(cfg))
@@ -185,9 +180,9 @@ def _dlrm_dataset(spec, cfg):
 
 def _dlrm_evaluate(spec, model, cfg):
   vocab = spec.kwargs(cfg).get("vocab_sizes")
-  steps = 4 if cfg["config"] == "local" else 20
   return spec.load().evaluate(model, cfg["batch_size"], seed=cfg["seed"],
-                              data_dir=_data_dir(cfg), steps=steps, vocab_sizes=vocab)
+                              data_dir=_data_dir(cfg), steps=cfg["eval"]["steps"],
+                              vocab_sizes=vocab)
 
 
 def _dlrm_points(spec, cfg):
@@ -226,12 +221,9 @@ def _ncf_metrics(spec):
 
 # --- transformer -------------------------------------------------------------
 
-TRANSFORMER_DATA = {"tokenizer": "wordpiece", "max_len": 64}
-TRANSFORMER_LOCAL_DATA = {"tokenizer": "bytes", "max_len": 24}
-
 
 def _tr_data(cfg):
-  return TRANSFORMER_LOCAL_DATA if cfg["config"] == "local" else TRANSFORMER_DATA
+  return {"tokenizer": cfg["data"]["tokenizer"], "max_len": cfg["data"]["max_len"]}
 
 
 def _tr_build(spec, cfg, split_fn):
@@ -245,7 +237,7 @@ def _tr_dataset(spec, cfg):
 
 
 def _tr_evaluate(spec, model, cfg):
-  examples = 16 if cfg["config"] == "local" else None
+  examples = cfg["eval"]["max_examples"]
   return spec.load().evaluate(model, batch_size=64, seed=cfg["seed"], data_dir=_data_dir(cfg),
                               max_examples=examples, **_tr_data(cfg))
 
@@ -277,9 +269,6 @@ def _resnet_evaluate(spec, model, cfg):
 
 # --- lstm_lm -----------------------------------------------------------------
 
-LSTM_SEQ_LEN = {"default": 35, "local": 20}
-
-
 def _lstm_build(spec, cfg, split_fn):
   del split_fn
   return spec.load().build_model(seed=cfg["seed"], data_dir=_data_dir(cfg), **spec.kwargs(cfg))
@@ -287,22 +276,17 @@ def _lstm_build(spec, cfg, split_fn):
 
 def _lstm_dataset(spec, cfg):
   return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], data_dir=_data_dir(cfg),
-                                  seq_len=LSTM_SEQ_LEN[cfg["config"]])
+                                  seq_len=cfg["data"]["seq_len"])
 
 
 def _lstm_evaluate(spec, model, cfg):
   return spec.load().evaluate(model, batch_size=64, seed=cfg["seed"], data_dir=_data_dir(cfg),
-                              seq_len=LSTM_SEQ_LEN[cfg["config"]])
-
-
-def _tiny(module: str, name: str = "TINY_CONFIG") -> dict:
-  """`module.TINY_CONFIG` without importing at definition time."""
-  return {"__from__": (module, name)}
+                              seq_len=cfg["data"]["seq_len"])
 
 
 SPECS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(
-        "mlp", "models.mlp", local_model_kwargs={"hidden": (32, 16)},
+        "mlp", "models.mlp",
         defaults={"optimizer": "sgd", "batch_size": 256, "steps": 300},
         local={"optimizer": "sgd"},
         learning_rates={"sgd": 0.05, "momentum": 0.02, "adam": 3e-3, "adamw": 3e-3,
@@ -313,7 +297,7 @@ SPECS: dict[str, ModelSpec] = {
         build_fn=_mlp_build, dataset_fn=_mlp_dataset, evaluate_fn=_mlp_evaluate,
         loss_fn=_mse),
     "dlrm": ModelSpec(
-        "dlrm", "models.dlrm", local_model_kwargs=DLRM_LOCAL,
+        "dlrm", "models.dlrm",
         # The Quick-start main job: DCT §3.1 dims, DCT-DP across 2 replicas,
         # DCT-MP at the paper's two splits across 2 devices per replica.
         defaults={"num_replicas": 2, "num_devices_per_replica": 2, "mp_splits": "paper",
@@ -329,7 +313,7 @@ SPECS: dict[str, ModelSpec] = {
         build_fn=_dlrm_build, dataset_fn=_dlrm_dataset, evaluate_fn=_dlrm_evaluate,
         points_fn=_dlrm_points, loss_fn=_module_loss),
     "ncf": ModelSpec(
-        "ncf", "models.ncf", local_model_kwargs={"mf_dim": 8, "mlp_layers": (16, 8)},
+        "ncf", "models.ncf",
         defaults={"optimizer": "adam", "batch_size": 1024, "steps": 1000},
         local={"batch_size": 256},
         learning_rates={"sgd": 1.0, "momentum": 0.3, "adam": 1e-3, "adamw": 1e-3,
@@ -340,7 +324,7 @@ SPECS: dict[str, ModelSpec] = {
         build_fn=_ncf_build, dataset_fn=_ncf_dataset, evaluate_fn=_ncf_evaluate,
         loss_fn=_module_loss),
     "transformer": ModelSpec(
-        "transformer", "models.transformer", local_model_kwargs=_tiny("models.transformer"),
+        "transformer", "models.transformer",
         defaults={"optimizer": "adam", "batch_size": 64, "steps": 2000},
         local={"batch_size": 32},
         learning_rates={"sgd": 0.1, "momentum": 0.01, "adam": 5e-4, "adamw": 5e-4,
@@ -352,7 +336,7 @@ SPECS: dict[str, ModelSpec] = {
         build_fn=_tr_build, dataset_fn=_tr_dataset, evaluate_fn=_tr_evaluate,
         points_fn=_tr_points, loss_fn=_module_loss),
     "resnet": ModelSpec(
-        "resnet", "models.resnet", local_model_kwargs=_tiny("models.resnet"),
+        "resnet", "models.resnet",
         defaults={"optimizer": "momentum", "batch_size": 128, "steps": 2000},
         local={"optimizer": "adam", "batch_size": 32},
         learning_rates={"sgd": 0.5, "momentum": 0.05, "adam": 1e-3, "adamw": 1e-3,
@@ -363,7 +347,7 @@ SPECS: dict[str, ModelSpec] = {
         build_fn=_resnet_build, dataset_fn=_resnet_dataset, evaluate_fn=_resnet_evaluate,
         loss_fn=_resnet_loss),
     "lstm_lm": ModelSpec(
-        "lstm_lm", "models.lstm_lm", local_model_kwargs=_tiny("models.lstm_lm"),
+        "lstm_lm", "models.lstm_lm",
         defaults={"optimizer": "sgd", "batch_size": 64, "steps": 2000},
         local={"optimizer": "adam", "batch_size": 32},
         learning_rates={"sgd": 1.0, "momentum": 0.1, "adam": 1e-3, "adamw": 1e-3,
@@ -376,20 +360,11 @@ SPECS: dict[str, ModelSpec] = {
 }
 
 
-def _resolve_tiny(spec: ModelSpec) -> None:
-  ref = spec.local_model_kwargs.get("__from__")
-  if ref:
-    module, name = ref
-    spec.local_model_kwargs = dict(getattr(importlib.import_module(module), name))
-
-
 def get(name: str) -> ModelSpec:
   """The spec of `--model=name` (ValueError listing the known names)."""
   if name not in SPECS:
     raise ValueError(f"unknown model {name!r}; expected one of {sorted(SPECS)}")
-  spec = SPECS[name]
-  _resolve_tiny(spec)
-  return spec
+  return SPECS[name]
 
 
 def learning_rate(name: str, config: str, optimizer: str) -> float:

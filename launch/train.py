@@ -10,14 +10,19 @@ replicas and DCT-MP (sparsity 0.9) at the paper's two splits ("bottom_1",
 final summary table that puts the bytes sent next to the bytes a dense
 all-reduce would have moved. Every flag: `--helpfull` and docs/launch.md.
 
-Flags whose default is None take a per-model value (launch/registry.py), then
-`--config=local` shrinks any model to a smoke run; a flag given on the command
-line always wins.
+The run's settings are an `ml_collections` config (`launch/configs/<model>.py`,
+`--config=path.py:preset`, `--config=local` for the config of --model with
+the tiny preset, `--config.<field>=value` overrides). A flag given on the
+command line wins over the config file; a flag and a `--config.<field>`
+override of the same setting that disagree are an error. The resolved config
+is written to `<model_dir>/config.json`; `--mode` trains, evaluates the
+latest checkpoint, or both.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -54,19 +59,27 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
+import ml_collections
+from ml_collections import config_flags
 import numpy as np
 import tensorflow as tf
 
 import tf_dct
 from tf_dct import keras as tf_dct_keras
+from tf_dct.keras import placement
+from launch import configs
 from launch import registry
+from launch import summaries
 from models.data.errors import DataError
 from models.data.errors import MALFORMED
 from models.flavour import LEGACY
 from models.flavour import keras
 
 MODELS = tuple(registry.SPECS)
-CONFIGS = ("default", "local")
+CONFIGS = configs.PRESETS
+# --mode: train_and_eval evaluates at every checkpoint (--eval_every, the last
+# step); train only checkpoints; eval evaluates the latest checkpoint.
+MODES = ("train_and_eval", "train", "eval")
 REPLICATORS = ("cpu", "gpu", "multi_worker", "tpu")
 COMPRESSIONS = ("none", "dct", "deft", "topk", "cltk", "threshold")
 # --compression value -> class name in tf_dct.compression (looked up lazily,
@@ -87,9 +100,16 @@ SPARSIFIERS = ("dct", "deft", "topk")
 ADAMW_WEIGHT_DECAY = 0.01
 
 flags.DEFINE_enum("model", "dlrm", MODELS, "Model to train (models/<name>).")
-flags.DEFINE_enum("config", "default", CONFIGS,
-                  "Preset: 'default' (full-size model, per-model settings) or "
-                  "'local' (tiny dimensions and ~30 steps: a smoke run of any model).")
+config_flags.DEFINE_config_file(
+    "config", None,
+    "The run's config: launch/configs/<model>.py[:default|local], any file with "
+    "get_config(arg), a saved <model_dir>/config.json, or a preset name: 'default' "
+    "(full-size model; used without --config) or 'local' (tiny dimensions and ~30 "
+    "steps: a smoke run) of --model. --config.<field>=value overrides a field, e.g. "
+    "--config.model.d_model=128.")
+flags.DEFINE_enum("mode", MODES[0], MODES,
+                  "train_and_eval: train, evaluate at every checkpoint; train: train and "
+                  "checkpoint only; eval: evaluate the latest checkpoint of --model_dir.")
 flags.DEFINE_string("data_dir", "", "Real data directory; empty: the embedded synthetic data.")
 flags.DEFINE_enum("replicator", "cpu", REPLICATORS, "Replicator kind (tf_dct.create_replicator).")
 flags.DEFINE_integer("num_replicas", None,
@@ -155,6 +175,10 @@ flags.DEFINE_integer("steps", None, "Training steps in total, resumed ones inclu
 flags.DEFINE_integer("eval_every", None, "Evaluate (and checkpoint) every N steps; 0: only at "
                      "the end. Default 0.")
 flags.DEFINE_integer("log_every", None, "Steps between progress lines. Default 50 (local 10).")
+flags.DEFINE_integer("summary_every", None,
+                     "Steps between the compressor's per-variable TensorBoard scalars "
+                     "(density, threshold, counters of every variable); 0 (never) or a "
+                     "multiple of --log_every. Default: 10 x --log_every.")
 flags.DEFINE_string("model_dir", "", "Checkpoints and TensorBoard summaries; empty: neither.")
 flags.DEFINE_enum("loop", "custom", LOOPS,
                   "custom: Replicator.run(step_fn, input_fn); fit: Keras model.fit.")
@@ -175,11 +199,11 @@ FLAGS = flags.FLAGS
 
 # Launcher settings resolved per model/preset (flags defaulting to None).
 SETTINGS = (*registry.COMMON_DEFAULTS, "learning_rate")
-PLAIN = ("model", "config", "data_dir", "replicator", "tpu", "compression", "warmup_steps",
-         "sparsity_schedule",
-         "min_size", "min_count", "momentum_correction", "adam_correction",
-         "compression_exclude", "sparse_gradients", "dense_gradients", "model_dir",
-         "loop", "seed")
+# Flags that are fields of the config, under the same name.
+CONFIG_FLAGS = (*configs.LAUNCHER_DEFAULTS, *SETTINGS)
+# The config's sections -> their key in the resolved configuration.
+SECTION_KEYS = {"model": "model_kwargs", "data": "data", "eval": "eval", "split": "split"}
+CONFIG_FILE = "config.json"
 
 
 class FlagError(app.UsageError, ValueError):
@@ -191,33 +215,179 @@ def _given(name: str) -> bool:
   return flag.present or not flag.using_default_value
 
 
-def resolved_config() -> dict:
-  """The flags merged with per-model defaults and the preset, validated.
+def _plain(value):
+  """A flag's or config's value in the config's form (lists as tuples)."""
+  if isinstance(value, (list, tuple)):
+    return tuple(_plain(v) for v in value)
+  return value
 
-  Precedence: a flag given explicitly > `--config` preset for the model > the
-  model's defaults > the launcher's common defaults. Raises FlagError.
+
+def load_config(value: str | None, model: str) -> ml_collections.ConfigDict:
+  """The config `--config=value` names (None: the default preset of `model`).
+
+  `value` is a preset name of `model` (`default`, `local`), a saved
+  `config.json`, or a Python file defining `get_config(arg)`, with the
+  argument after a colon (`launch/configs/ncf.py:local`). Raises FlagError.
   """
-  cfg = {name: FLAGS[name].value for name in PLAIN}
-  if cfg["model"] not in registry.SPECS:
-    raise FlagError(f"--model: unknown model {cfg['model']!r}; expected one of {MODELS}")
-  if cfg["config"] not in CONFIGS:
-    raise FlagError(f"--config: unknown preset {cfg['config']!r}; expected one of {CONFIGS}")
-  preset = registry.settings(cfg["model"], cfg["config"])
-  explicit = set()
-  for name in SETTINGS:
-    value = FLAGS[name].value
-    if value is not None and _given(name):
-      cfg[name] = value
+  try:
+    if not value or value in CONFIGS:
+      return configs.get(model, value or "default")
+    if value.endswith(".json"):
+      with tf.io.gfile.GFile(value) as f:
+        return configs.from_json(f.read())
+    filename, colon, arg = value.partition(":")
+    if not os.path.isfile(filename):
+      raise FlagError(f"--config: {filename!r} is neither a preset ({', '.join(CONFIGS)}) "
+                      "nor a config file")
+    spec = importlib.util.spec_from_file_location("launch_train_config", filename)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(*([arg] if colon else []))
+  except (ValueError, KeyError, OSError) as e:
+    if isinstance(e, FlagError):
+      raise
+    raise FlagError(f"--config={value}: {e}") from None
+
+
+def resolve(config: ml_collections.ConfigDict, given: dict | None = None,
+            overridden: dict | None = None, *, model_dir: str = "",
+            mode: str = MODES[0]) -> dict:
+  """The launcher configuration of `config` with flag values on top, validated.
+
+  Precedence: a flag given explicitly > the config (its file, with the
+  `--config.<field>` overrides applied). A flag and an override of the same
+  field with different values are an error.
+
+  Args:
+    config: a config of `launch/configs` (`load_config`).
+    given: {flag name: value} of the flags given explicitly.
+    overridden: {field path: value} of the `--config.<field>` overrides.
+    model_dir: the --model_dir value.
+    mode: the --mode value.
+
+  Returns:
+    A flat dict: one key per flag, the config's sections (`model_kwargs`,
+    `data`, `eval`, `split`), `learning_rates`, and `explicit`, the settings
+    given by a flag, an override or a config file that differs from the
+    model's own.
+
+  Raises:
+    FlagError: a conflict or a bad value.
+  """
+  given = {k: _plain(v) for k, v in (given or {}).items() if v is not None}
+  overridden = {k: _plain(v) for k, v in (overridden or {}).items()}
+  if mode not in MODES:
+    raise FlagError(f"--mode: unknown mode {mode!r}; expected one of {MODES}")
+  model = config.get("model_name")
+  if model not in registry.SPECS:
+    raise FlagError(f"--config: model_name {model!r} is not a model; expected one of {MODELS}")
+  if given.get("model", model) != model:
+    raise FlagError(f"--model={given['model']} but the --config file is a config of "
+                    f"{model!r}; drop --model or give the config of {given['model']!r}")
+  preset = config.get("preset")
+  preset = preset if preset in CONFIGS else "default"
+  # The model's own config under the preset: what `explicit` compares with,
+  # and the value of a field the given config lacks.
+  builtin = load_config(preset, model)
+  cfg = {"model": model, "config": preset, "model_dir": model_dir, "mode": mode}
+  explicit = {"model"} & set(given)
+  for name in CONFIG_FLAGS:
+    value = _plain(config.get(name, builtin[name]))
+    if name in given:
+      if name in overridden and overridden[name] != given[name]:
+        raise FlagError(f"--{name}={given[name]} and --config.{name}={overridden[name]} "
+                        "disagree; give one of them")
+      value = given[name]
       explicit.add(name)
-    else:
-      cfg[name] = preset[name]
-  if "learning_rate" not in explicit and cfg["optimizer"] in OPTIMIZERS:
+    elif name in overridden or value != _plain(builtin[name]):
+      explicit.add(name)
+    cfg[name] = value
+  for section, key in SECTION_KEYS.items():
+    cfg[key] = config.get(section, builtin[section]).to_dict()
+  cfg["learning_rates"] = config.get("learning_rates", builtin.learning_rates).to_dict()
+  if cfg["learning_rate"] is None and cfg["optimizer"] in OPTIMIZERS:
     # The rate follows the optimizer actually used, given or preset.
-    cfg["learning_rate"] = registry.learning_rate(cfg["model"], cfg["config"],
-                                                  cfg["optimizer"])
-  cfg["explicit"] = frozenset(explicit | {n for n in PLAIN if _given(n)})
+    if cfg["optimizer"] not in cfg["learning_rates"]:
+      raise FlagError(f"--optimizer={cfg['optimizer']}: no learning rate for it in the "
+                      f"config's learning_rates ({', '.join(cfg['learning_rates'])}); give "
+                      "--learning_rate")
+    cfg["learning_rate"] = cfg["learning_rates"][cfg["optimizer"]]
+  cfg["explicit"] = frozenset(explicit)
   validate(cfg)
   return cfg
+
+
+def saved_config(mode: str | None, model_dir: str | None) -> str | None:
+  """With --mode=eval and no --config: the `config.json` of --model_dir, if any."""
+  if mode != "eval" or not model_dir:
+    return None
+  path = os.path.join(model_dir, CONFIG_FILE)
+  return path if tf.io.gfile.exists(path) else None
+
+
+def resolved_config() -> dict:
+  """The flags and the `--config` config merged (`resolve`), validated.
+
+  `--config` may hold the parsed config (command line) or, set from Python
+  (`flagsaver`), a string `load_config` reads. Raises FlagError.
+  """
+  value, overridden = FLAGS.config, {}
+  if value is None:
+    value = saved_config(FLAGS.mode, FLAGS.model_dir)
+  if value is None or isinstance(value, str):
+    config = load_config(value, FLAGS.model)
+  else:
+    config = value
+    try:
+      overridden = dict(FLAGS["config"].override_values)
+    except config_flags.UnparsedFlagError:
+      pass
+  given = {name: FLAGS[name].value for name in ("model", *CONFIG_FLAGS) if _given(name)}
+  return resolve(config, given, overridden, model_dir=FLAGS.model_dir, mode=FLAGS.mode)
+
+
+def config_of(cfg: dict) -> ml_collections.ConfigDict:
+  """The resolved configuration `cfg` as a config of `launch/configs` (what
+  `<model_dir>/config.json` holds; `--config=<that file>` runs it again)."""
+  config = ml_collections.ConfigDict()
+  config.model_name, config.preset = cfg["model"], cfg["config"]
+  for name in CONFIG_FLAGS:
+    config[name] = _plain(cfg[name])
+  schedule = cfg.get("sparsity_schedule") or ()
+  config.sparsity_schedule = tuple(item if isinstance(item, str) else f"{item[0]}:{item[1]}"
+                                   for item in schedule)
+  config.compression_exclude = tuple(cfg.get("compression_exclude") or ())
+  for section, key in SECTION_KEYS.items():
+    config[section] = dict(cfg[key])
+  config.learning_rates = dict(cfg["learning_rates"])
+  return config
+
+
+def write_config(cfg: dict) -> str:
+  """Writes `config_of(cfg)` as JSON to `<model_dir>/config.json`; returns the path."""
+  path = os.path.join(cfg["model_dir"], CONFIG_FILE)
+  tf.io.gfile.makedirs(cfg["model_dir"])
+  with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+    f.write(json.dumps(config_of(cfg).to_dict(), indent=1, sort_keys=True) + "\n")
+  tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+  return path
+
+
+def _check_section(section: str, values: dict) -> None:
+  """Numbers of a config section: counts >= 1, dropout in [0, 1)."""
+  for key, value in values.items():
+    where = f"--config.{section}.{key}"
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+      continue
+    if isinstance(value, float):
+      if "dropout" in key and not 0 <= value < 1:
+        raise FlagError(f"{where} must be in [0, 1), got {value}")
+      continue
+    many = isinstance(value, (tuple, list))
+    items = value if many else (value,)
+    if not items or not all(isinstance(v, int) and v >= 1 for v in items):
+      raise FlagError(f"{where} must be {'a non-empty list of ' if many else 'an '}"
+                      f"integer{'s' if many else ''} >= 1, got {value}")
 
 
 def _in_range(cfg, name, lo, hi, lo_open, hi_open):
@@ -293,6 +463,11 @@ def validate(cfg: dict) -> None:
         "--loop=fit with --replicator=multi_worker needs tf-keras: Keras 3 model.fit "
         "does not support MultiWorkerMirroredStrategy (upstream keras#20585); use "
         "--loop=custom or --keras=2")
+  for section in ("model", "data", "eval"):
+    _check_section(section, cfg.get(SECTION_KEYS[section]) or {})
+  if cfg.get("mode") == "eval" and not cfg["model_dir"]:
+    raise FlagError("--mode=eval evaluates the latest checkpoint of --model_dir; give "
+                    "--model_dir")
   for name in ("steps", "batch_size", "log_every", "num_replicas", "num_devices_per_replica",
                "threshold_life"):
     if cfg[name] is None or cfg[name] < 1:
@@ -300,6 +475,10 @@ def validate(cfg: dict) -> None:
   for name in ("eval_every", "warmup_steps", "min_size"):
     if cfg[name] < 0:
       raise FlagError(f"--{name} must be >= 0, got {cfg[name]}")
+  try:
+    cfg["summary_every"] = summaries.resolve_summary_every(cfg)
+  except ValueError as e:
+    raise FlagError(str(e)) from None
   if cfg["optimizer"] not in OPTIMIZERS:
     raise FlagError(f"--optimizer: unknown optimizer {cfg['optimizer']!r}; expected one "
                     f"of {OPTIMIZERS}")
@@ -442,6 +621,7 @@ SETTINGS_FILE = "settings.json"
 # its value that must not change on resume (None: the value itself).
 STATE_SETTINGS = {
     "model": None, "config": None,  # the variables and their sizes
+    "model_kwargs": None, "data": None,  # the model's dimensions, its vocabulary
     "data_dir": bool,  # real or synthetic data: table sizes follow the data
     "mp_splits": None,  # DCT-MP split layers and their counters
     # One copy of the compressor state per replica; multi_worker keeps one
@@ -460,6 +640,9 @@ STATE_SETTINGS = {
 def state_settings(cfg: dict) -> dict:
   """The `STATE_SETTINGS` of `cfg`, as written to `SETTINGS_FILE`."""
   out = {name: cfg.get(name) for name in STATE_SETTINGS}
+  # As JSON has them (tuples as lists), to compare with a saved file.
+  out.update(model_kwargs=json.loads(json.dumps(cfg.get("model_kwargs"))),
+             data=json.loads(json.dumps(cfg.get("data"))))
   out.update(
       mp_splits=",".join(cfg["splits"]),
       compression_exclude=list(cfg.get("compression_exclude") or ()),
@@ -468,7 +651,7 @@ def state_settings(cfg: dict) -> dict:
       adam_correction=adam_correction(cfg), workers=None)
   if cfg["replicator"] == "multi_worker":
     try:
-      cluster = (tf_dct.multi_worker.validate_tf_config() or {}).get("cluster", {})
+      cluster = (tf_dct.distribute.multi_worker.validate_tf_config() or {}).get("cluster", {})
       out["workers"] = len(cluster.get("chief", ())) + len(cluster.get("worker", ()))
     except ValueError:
       pass  # creating the replicator reports it
@@ -504,7 +687,8 @@ def check_settings(cfg: dict) -> None:
   for name, key in STATE_SETTINGS.items():
     key = key or (lambda v: v)
     if name in saved and key(saved[name]) != key(current[name]):
-      flag = "workers in TF_CONFIG" if name == "workers" else f"--{name}"
+      flag = {"workers": "workers in TF_CONFIG", "model_kwargs": "--config.model",
+              "data": "--config.data"}.get(name, f"--{name}")
       differ.append(f"{flag} {show(saved[name])!r} -> {show(current[name])!r}")
   if differ:
     raise FlagError(f"--model_dir {cfg['model_dir']} holds a run with other settings "
@@ -520,66 +704,6 @@ def write_settings(cfg: dict) -> None:
   with tf.io.gfile.GFile(path + ".tmp", "w") as f:
     json.dump(state_settings(cfg), f, indent=1, sort_keys=True)
   tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
-
-
-# --- model parallelism -----------------------------------------------------------
-
-
-def _inbound_layers(layer) -> list:
-  out = []
-  for node in layer._inbound_nodes:  # pylint: disable=protected-access
-    inbound = node.inbound_layers
-    out += inbound if isinstance(inbound, (list, tuple)) else [inbound]
-  return out
-
-
-def place_stages(model, split_layers: list, k: int) -> dict[str, int]:
-  """Runs every layer of a functional model on logical device (stage % k).
-
-  A layer's stage is the largest stage among its inputs, plus one after a
-  split layer. Split j (forward order) produces its output on logical device
-  (j + 1) % k (`target_logical_device`), where the layers after it now run.
-  Each placed layer's `call` runs under `replicator.logical_device(i)` when
-  called in a replica context of a tf_dct replicator (elsewhere, e.g. in
-  evaluation, it runs unplaced). Returns {layer name: device index}.
-  """
-  splits = {id(l) for l in split_layers}
-  stage = {}
-  for layer in model.layers:  # topologically sorted
-    inbound = _inbound_layers(layer)
-    stage[id(layer)] = max([stage.get(id(l), 0) + (id(l) in splits) for l in inbound],
-                           default=0)
-  placed = {}
-  for layer in model.layers:
-    device = stage[id(layer)] % k
-    placed[layer.name] = device
-    if id(layer) in splits:
-      want = (stage[id(layer)] + 1) % k
-      if layer.get_config()["target_logical_device"] != want:
-        raise ValueError(f"split {layer.name} targets device "
-                         f"{layer.get_config()['target_logical_device']} but the layers "
-                         f"after it are on device {want} (splits are not a chain)")
-    if device:
-      _run_on_logical_device(layer, device)
-  return placed
-
-
-def _run_on_logical_device(layer, index: int) -> None:
-  original = layer.call
-
-  def call(*args, **kwargs):
-    strategy = tf.distribute.get_strategy()
-    ctx = tf.distribute.get_replica_context()
-    if (isinstance(strategy, tf_dct.replicator.ReplicatorMixin) and ctx is not None
-        and not tf.distribute.in_cross_replica_context()):
-      with strategy.logical_device(index):
-        return original(*args, **kwargs)
-    return original(*args, **kwargs)
-
-  call.__wrapped__ = original
-  call.__name__ = getattr(original, "__name__", "call")
-  call.__doc__ = original.__doc__
-  layer.call = call
 
 
 # --- the job ---------------------------------------------------------------------
@@ -675,7 +799,7 @@ class Job:
     self.repl = self.model = self.optimizer = self.compressor = None
     self.split_layers: list = []
     self.placement: dict[str, int] = {}
-    self.manager = self.writer = None
+    self.manager = self.summaries = None
     self.restored_from = None
     self.input_restored = False  # the checkpoint holds the input's position
 
@@ -703,6 +827,10 @@ class Job:
   def setup(self) -> "Job":
     cfg, spec = self.cfg, self.spec
     check_settings(cfg)
+    if (cfg.get("mode") == "eval" and cfg["replicator"] != "multi_worker"
+        and not tf.train.latest_checkpoint(cfg["model_dir"])):
+      raise FlagError(f"--mode=eval: --model_dir {cfg['model_dir']} holds no checkpoint to "
+                      "evaluate")
     self.repl = repl = self._create_replicator()
     if cfg["batch_size"] % repl.num_replicas:
       raise FlagError(f"--batch_size ({cfg['batch_size']}) must be divisible by the "
@@ -710,6 +838,8 @@ class Job:
     self.num_workers = max(1, repl.num_replicas // len(repl.replica_devices))
     k = repl.num_devices_per_replica
     splits = set(cfg["splits"])
+    # The config's `split` section: DCTSplit arguments (None: the layer's default).
+    split_kwargs = {key: v for key, v in (cfg.get("split") or {}).items() if v is not None}
 
     def split_fn(point):
       if point not in splits:
@@ -718,10 +848,10 @@ class Job:
       target = (j + 1) % k if k > 1 else None
       # Outside a replica (building the functional model, evaluation) a layer
       # with a device target applies the same mask in place.
-      split_cls = tf_dct.layers.DCTSplit if LEGACY else tf_dct.layers.Keras3DCTSplit
+      split_cls = tf_dct.dct_mp.DCTSplit if LEGACY else tf_dct.dct_mp.Keras3DCTSplit
       layer = split_cls(
           cfg["mp_sparsity"], target_logical_device=target,
-          name=f"dct_split_{point}")
+          name=f"dct_split_{point}", **split_kwargs)
       self.split_layers.append(layer)
       return layer
 
@@ -736,7 +866,7 @@ class Job:
         self.model.compile(optimizer=self.optimizer, loss=self._keras_loss(),
                            metrics=metrics)
     if k > 1 and self.split_layers:
-      self.placement = place_stages(self.model, self.split_layers, k)
+      self.placement = placement.place_stages(self.model, self.split_layers, k)
     # Building the wrapped optimizer creates its slots and the compressor's
     # state now, so a restore fills them at once (and the first step traces
     # once).
@@ -745,6 +875,11 @@ class Job:
     model_dir = self._model_dir()
     if model_dir:
       self.manager = tf.train.CheckpointManager(self.ckpt, model_dir, max_to_keep=3)
+      if cfg.get("mode") == "eval" and not self.manager.latest_checkpoint:
+        raise FlagError(f"--mode=eval: --model_dir {model_dir} holds no checkpoint to "
+                        "evaluate")
+      if cfg.get("mode") != "eval" and getattr(repl, "is_chief", True):
+        write_config(cfg)
       if self.manager.latest_checkpoint:
         self.ckpt.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
         self.restored_from = self.manager.latest_checkpoint
@@ -752,7 +887,8 @@ class Job:
             name.startswith(self._input_key() + "/")
             for name, _ in tf.train.list_variables(self.restored_from)))
         print(f"restored {self.restored_from} at step {int(self.step.numpy())}", flush=True)
-      self.writer = tf.summary.create_file_writer(model_dir)
+    self.summaries = summaries.Summaries(cfg, model_dir)
+    self.summaries.gate(self.compressor)
     return self
 
   def _keras_loss(self):
@@ -817,10 +953,15 @@ class Job:
     # it, evaluations and checkpoints left out: the steady state.
     self.first_step_seconds = None
     self.steady_seconds = 0.0
+    self.summaries.write_hparams(summaries.hparams(
+        cfg, self.repl.num_replicas, sparsifier=cfg["compression"] in SPARSIFIERS,
+        adam_correction=adam_correction(cfg)), self.spec.metric)
     self.start_time = self._clock = time.perf_counter()
-    self._last_log = (self.start_step, self.start_time)
-    writer = self.writer or tf.summary.create_noop_writer()
-    with writer.as_default(step=self.step):
+    with self.summaries.training():
+      if cfg.get("mode") == "eval":
+        self._evaluate()
+        self.wall = time.perf_counter() - self.start_time
+        return self._summary()
       if self.start_step < cfg["steps"]:
         print("tracing the training step (first step; can take a minute) ...", flush=True)
         if cfg["loop"] == "custom":
@@ -828,9 +969,9 @@ class Job:
         else:
           self._run_fit()
       self.wall = time.perf_counter() - self.start_time
-      if self.start_step >= cfg["steps"] or not self.evals.get(int(self.step.numpy())):
+      if self._evaluates() and (self.start_step >= cfg["steps"]
+                                or not self.evals.get(int(self.step.numpy()))):
         self._evaluate()
-      writer.flush()
     return self._summary()
 
   def _run_custom(self):
@@ -858,7 +999,8 @@ class Job:
       self.optimizer.apply_gradients(zip(grads, variables))
       return loss
 
-    for _ in range(self.start_step, cfg["steps"]):
+    for step in range(self.start_step, cfg["steps"]):
+      self.summaries.begin_step(step + 1)
       loss = float(repl.reduce("sum", repl.run(step_fn, input_fn), axis=None))
       self.step.assign_add(1)
       self._after_step(loss)
@@ -884,6 +1026,9 @@ class Job:
 
       def on_epoch_begin(self, epoch, logs=None):
         self.prev = 0.0
+
+      def on_train_batch_begin(self, batch, logs=None):
+        job.summaries.begin_step(int(job.step.numpy()) + 1)
 
       def on_train_batch_end(self, batch, logs=None):
         mean = float(logs["loss"])
@@ -919,14 +1064,11 @@ class Job:
     else:
       self.steady_seconds += now - self._clock
     self.losses.append(loss)
-    tf.summary.scalar("train/loss", loss, step=step)
-    for name, value in (train_metrics or {}).items():
-      tf.summary.scalar(f"train/{name}", value, step=step)
     if not math.isfinite(loss):
       raise TrainingDiverged.at(loss, step, cfg)
     last = step == cfg["steps"]
     if step % cfg["log_every"] == 0 or last:
-      self._log(step, loss)
+      self._log(step, loss, train_metrics or {})
     if evaluate and ((cfg["eval_every"] and step % cfg["eval_every"] == 0) or last):
       self._checkpoint_and_evaluate()
     self._clock = time.perf_counter()
@@ -936,8 +1078,13 @@ class Job:
       self.manager.save(checkpoint_number=int(self.step.numpy()))
       if getattr(self.repl, "is_chief", True):
         write_settings(self.cfg)
-    self._evaluate()
+    if self._evaluates():
+      self._evaluate()
     self._clock = time.perf_counter()
+
+  def _evaluates(self) -> bool:
+    """Whether this run evaluates at its checkpoints (not --mode=train)."""
+    return self.cfg.get("mode", MODES[0]) != "train"
 
   def steady(self) -> dict | None:
     """`steady_state` of this run so far: the steps after its first one."""
@@ -945,12 +1092,12 @@ class Job:
     return steady_state(step - self.start_step - 1, self.steady_seconds,
                         self.cfg["batch_size"], self.cfg["steps"] - step)
 
-  def _log(self, step: int, loss: float) -> None:
-    now = time.perf_counter()
-    prev_step, prev_time = self._last_log
-    rate = (step - prev_step) / max(now - prev_time, 1e-9)
-    self._last_log = (step, now)
-    tf.summary.scalar("train/steps_per_sec", rate, step=step)
+  def _log(self, step: int, loss: float, train_metrics: dict) -> None:
+    self.summaries.log(
+        step, loss=loss, metrics=train_metrics,
+        learning_rate=float(tf.convert_to_tensor(self.optimizer.learning_rate)),
+        timed_steps=step - self.start_step - 1, timed_seconds=self.steady_seconds,
+        batch_size=self.cfg["batch_size"], mp=self.mp_bytes())
     line = f"step {step:>6}/{self.cfg['steps']}  loss {loss:.5f}"
     steady = self.steady()
     if steady:
@@ -962,27 +1109,14 @@ class Job:
       line += (f"  sent {_mb(comm['bytes_sent'])}/replica (stock TF "
                f"{_mb(comm['stock_bytes'])}, {comm['stock_ratio']:.2f}x; densified "
                f"{comm['ratio']:.1f}x)  density {comm['last_density']:.4f}")
-    if comm:
-      for key in ("bytes_sent", "bytes_received", "stock_bytes", "dense_bytes",
-                  "payload_bytes", "stock_payload_bytes"):
-        tf.summary.scalar(f"comm/total_{key}", comm[key], step=step)
-      for key in ("stock_ratio", "stock_payload_ratio"):
-        tf.summary.scalar(f"comm/{key}", comm[key], step=step)
-      tf.summary.scalar("comm/density", comm["last_density"], step=step)
-      for name, tau in comm["thresholds"].items():
-        tf.summary.scalar(f"comm/threshold/{name}", tau, step=step)
-    mp = self.mp_bytes()
-    if mp:
-      tf.summary.scalar("mp/total_bytes", mp["bytes"], step=step)
-      tf.summary.scalar("mp/total_dense_bytes", mp["dense_bytes"], step=step)
     print(line, flush=True)
 
   def _evaluate(self) -> dict:
-    result = self.spec.evaluate(self.model, self.cfg)
+    with self.summaries.evaluation():
+      result = self.spec.evaluate(self.model, self.cfg)
     step = int(self.step.numpy())
     self.evals[step] = result
-    for name, value in result.items():
-      tf.summary.scalar(f"eval/{name}", value, step=step)
+    self.summaries.eval(step, result)
     print(f"eval at step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in result.items()),
           flush=True)
     return result
@@ -1229,7 +1363,8 @@ def main(argv):
   tf.get_logger().setLevel("ERROR")
   try:
     cfg = resolved_config()
-    print(f"training {cfg['model']} ({cfg['config']}): {cfg['steps']} steps, global batch "
+    verb = "evaluating the latest checkpoint of" if cfg["mode"] == "eval" else "training"
+    print(f"{verb} {cfg['model']} ({cfg['config']}): {cfg['steps']} steps, global batch "
           f"{cfg['batch_size']}, --replicator={cfg['replicator']}, "
           f"--compression={cfg['compression']}, {'tf-keras' if LEGACY else 'Keras 3'}; "
           "building the model ...", flush=True)
@@ -1253,15 +1388,98 @@ def data_error_in(error: tf.errors.OpError) -> str | None:
   return found.group(1).strip().strip("'\"") if found else None
 
 
+_FLAG_VALUE = re.compile(r"^--?(model|config|mode|model_dir)(?:=(.*))?$")
+_OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")
+
+
+def expand_config_argv(argv: list[str]) -> list[str]:
+  """`argv` with a `--config` that names a file, for ml_collections' flag.
+
+  A preset name (`--config=local`) becomes the config file of `--model` with
+  that preset, a saved `config.json` the file that reads it, and without
+  `--config` the file of `--model` comes first (so `--config.<field>`
+  overrides work without it). Checks that every `--config.<field>` names a
+  field of that config.
+
+  Raises:
+    FlagError: an unknown field (named, with the fields there are) or a
+      config that does not load.
+  """
+  args = list(argv)
+  model, config_at, value = FLAGS["model"].default, None, None
+  named = {}
+  i = 1
+  while i < len(args) and args[i] != "--":
+    found = _FLAG_VALUE.match(args[i])
+    if found:
+      at, text = i, found.group(2)
+      if text is None and i + 1 < len(args):
+        at, text = i + 1, args[i + 1]
+        i += 1
+      if found.group(1) == "model":
+        model = text
+      elif found.group(1) == "config":
+        config_at, value = at, text
+      else:
+        named[found.group(1)] = text
+    i += 1
+  if value is None:
+    value = saved_config(named.get("mode"), named.get("model_dir"))
+  if model not in registry.SPECS:
+    return args  # absl names the bad --model
+  config = load_config(value, model)
+  for arg in args[1:]:
+    found = _OVERRIDE.match(arg)
+    if found:
+      _check_field(config, found.group(1))
+  if value is None or value in CONFIGS:
+    text = configs.path(model) + (f":{value}" if value else "")
+  elif value.endswith(".json"):
+    text = f"{configs.path('saved')}:{value}"
+  else:
+    return args
+  if config_at is None:
+    args.insert(1, f"--config={text}")
+  elif args[config_at].startswith("-"):
+    args[config_at] = f"--config={text}"
+  else:
+    args[config_at] = text
+  return args
+
+
+def _check_field(config: ml_collections.ConfigDict, path: str) -> None:
+  """Raises FlagError unless `path` ("model.d_model") is a field of `config`."""
+  node, done = config, []
+  for key in path.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+      where = f"config.{'.'.join(done)}" if done else "the config"
+      fields = (", ".join(sorted(node.keys())) if isinstance(node, ml_collections.ConfigDict)
+                else "none: it is a value")
+      raise FlagError(f"--config.{path}: {where} of --model={config.model_name} has no "
+                      f"field {key!r}; its fields: {fields}")
+    node, done = node[key], done + [key]
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, then `hide_gpus`.
+  """absl's flag parsing (`expand_config_argv` first), then `hide_gpus`.
 
   `app.run` calls this before its after-init callbacks, one of which
-  (TensorFlow's, registered on import) lists the GPUs.
+  (TensorFlow's, registered on import) lists the GPUs. A bad `--config`
+  stops with one line, as a bad flag does.
   """
-  args = app.parse_flags_with_usage(argv)
+  try:
+    args = expand_config_argv(argv)
+  except FlagError as e:
+    print(f"launch.train: error: {e}", file=sys.stderr)
+    sys.exit(1)
+  # ml_collections finds the `--config.<field>` overrides in sys.argv.
+  saved, sys.argv = sys.argv, args
+  try:
+    rest = app.parse_flags_with_usage(args)
+  finally:
+    sys.argv = saved
   hide_gpus(FLAGS.replicator)
-  return args
+  return rest
 
 
 def run() -> None:

@@ -88,7 +88,7 @@ def _to_json(value):
 
 
 def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "distribute"))
   import multi_worker_util  # pylint: disable=g-import-not-at-top
 
   parser = argparse.ArgumentParser()
@@ -105,12 +105,11 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_dct  # pylint: disable=g-import-not-at-top
   from tf_dct import compression  # pylint: disable=g-import-not-at-top
-  from tf_dct import layers  # pylint: disable=g-import-not-at-top
-  from tf_dct import ops  # pylint: disable=g-import-not-at-top
+  from tf_dct import dct_mp  # pylint: disable=g-import-not-at-top
 
   keras = tf.keras
   legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
-  split_cls = layers.DCTSplit if legacy else layers.Keras3DCTSplit
+  split_cls = dct_mp.DCTSplit if legacy else dct_mp.Keras3DCTSplit
   out["flavour"] = "tf_keras" if legacy else "keras3"
   out["keras_module"] = type(keras.layers.Dense(1)).__module__
   if args.multi_worker:  # one CPU replica per worker

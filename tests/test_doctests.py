@@ -13,12 +13,13 @@ from absl.testing import parameterized
 from tests import util
 
 # The modules whose docstrings carry examples. Imported by name: the package
-# `tf_dct.ops` exports a function `dct_mp` that hides its module `dct_mp`.
+# `tf_dct.dct_mp` exports functions that hide modules of the same name
+# (`gaussian_sketch`, `xgrad_topk`).
 MODULES = (
     "tf_dct.compression.accounting",
     "tf_dct.compression.sparse_wire",
-    "tf_dct.ops.compact_transfer",
-    "tf_dct.ops.dct_mp",
+    "tf_dct.dct_mp.transfer",
+    "tf_dct.dct_mp.op",
     "tf_dct.validation",
 )
 

@@ -18,11 +18,12 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "distribute"))
 import flavour_script as fs  # pylint: disable=g-import-not-at-top,wrong-import-position
 import multi_worker_util  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from tests import conservation  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tests.ops import reference  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests.dct_mp import reference  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 SCRIPT = pathlib.Path(fs.__file__).resolve()
 TIMEOUT = 400.0
@@ -226,8 +227,8 @@ class FlavourTest(tf.test.TestCase, parameterized.TestCase):
   @parameterized.named_parameters(*FLAVOURS)
   def test_dct_split(self, flavour):
     s = self.record(flavour, "dct_split")
-    module = {"tf_keras": "tf_dct.layers.tf_keras_split",
-              "keras3": "tf_dct.layers.keras3_split"}[flavour]
+    module = {"tf_keras": "tf_dct.dct_mp.tf_keras_split",
+              "keras3": "tf_dct.dct_mp.keras3_split"}[flavour]
     self.assertEqual(s["layer_module"], module)
     x = np.random.default_rng(3).normal(size=(4, 16)).astype(np.float32)
     dy = np.random.default_rng(4).normal(size=(4, 16)).astype(np.float32)

@@ -9,7 +9,7 @@ import tensorflow as tf
 import tf_dct
 from tf_dct import compression
 from tf_dct import validation
-from tf_dct import ops
+from tf_dct import dct_mp as ops
 from tests import util
 
 

@@ -1,5 +1,8 @@
 """Shared test helpers."""
 
+import glob
+import os
+
 import tensorflow as tf
 
 import tf_dct
@@ -56,3 +59,16 @@ def squared_error_step(model, optimizer, batch_size: int, before=None):
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return loss
   return step_fn
+
+
+def events(logdir: str) -> dict:
+  """{tag: [(step, value), ...]} of the scalars in `logdir`'s event files, in
+  the order written (one directory, not its subdirectories)."""
+  out = {}
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    for raw in tf.data.TFRecordDataset(path):
+      event = tf.compat.v1.Event.FromString(raw.numpy())
+      for v in event.summary.value:
+        if v.metadata.plugin_data.plugin_name == "scalars":
+          out.setdefault(v.tag, []).append((event.step, tf.make_ndarray(v.tensor).item()))
+  return out

@@ -243,6 +243,20 @@ def keras3_var_key(optimizer, variable):
   return optimizer._var_key(variable)  # pylint: disable=protected-access
 
 
+def inbound_layers(layer) -> list:
+  """The layers feeding `layer` in the functional models it was called in:
+  `layer._inbound_nodes`, each node's `inbound_layers` (tf-keras) or its
+  `parent_nodes`' operations (Keras 3)."""
+  out = []
+  for node in layer._inbound_nodes:  # pylint: disable=protected-access
+    if not hasattr(node, "inbound_layers"):  # Keras 3
+      out += [parent.operation for parent in node.parent_nodes]
+      continue
+    inbound = node.inbound_layers
+    out += inbound if isinstance(inbound, (list, tuple)) else [inbound]
+  return out
+
+
 def check() -> None:
   """Raises AssertionError if a private API we rely on has drifted."""
   from tensorflow.python.framework import auto_control_deps as acd  # pylint: disable=g-import-not-at-top
@@ -311,6 +325,15 @@ def check() -> None:
   assert callable(getattr(control_flow_util, "GraphOrParentsInXlaContext", None)), (
       "control_flow_util.GraphOrParentsInXlaContext is gone")
   import tf_keras  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+  for flavour in (tf_keras, keras):
+    x = flavour.Input((2,))
+    first = flavour.layers.Dense(2)
+    second = flavour.layers.Dense(1)
+    second(first(x))
+    assert inbound_layers(second) == [first], (
+        f"{flavour.__name__}: a layer's _inbound_nodes no longer name the "
+        "layers feeding it (inbound_layers)")
   src = inspect.getsource(tf_keras.optimizers.Optimizer._var_key)
   assert "_distributed_container" in src, (
       "tf-keras Optimizer._var_key no longer maps components to their container")

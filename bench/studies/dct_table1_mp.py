@@ -9,13 +9,14 @@ still as good and 95% loses 0.18%.
 Every run is a `launch.train.Job` (the launcher's training loop), one
 replica, the splits mask-only (DCTSplit on the same device: the values and
 gradients are exactly those a compact transfer would deliver, see
-tests/layers). Model and data: `models/dlrm.py` with the paper's dimensions on
+tests/dct_mp). Model and data: `models/dlrm.py` with the paper's dimensions on
 the synthetic Criteo-shaped stream (labels drawn from a fixed random DLRM-like
 teacher, so there is a signal to learn).
 
 This module also holds the helpers the other DCT table studies share
 (dct_table2_dp, dct_table3_hybrid, dct_tables_6_7, dct_table4_transformer):
-`job_config` and `StudyJob` (drive `launch.train.Job` without absl flags),
+`job_config` and `StudyJob` (drive `launch.train.Job` from the launcher's
+config without absl flags),
 `train_dlrm` / `dense_runs` (a run and its metrics), `split_ratios` (the
 split layer's byte model), `tolerance` / `loss_status` (verdicts).
 """
@@ -28,7 +29,7 @@ import dataclasses
 import functools
 import io
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from bench.studies import common
 
@@ -53,35 +54,21 @@ PAPER_TABLE1 = (
 # --- helpers shared by the DCT table studies ---------------------------------------
 
 
-def job_config(model: str, **overrides: Any) -> dict:
+def job_config(model: str, *, config: str = "default", mode: str = "train_and_eval",
+               sections: dict[str, dict] | None = None, **overrides: Any) -> dict:
   """A validated `launch.train` configuration without parsing absl flags.
 
-  The model's registry defaults (`--config=default`) with `overrides` on
-  top, as if each override had been given as a flag.
+  The model's launcher config (`launch/configs/<model>.py` with the preset
+  `config`), its `sections` updated (e.g. `{"model": {"d_model": 64}}`,
+  `{"split": {"mode": "gaussian_sketch"}}`), `overrides` on top as if each
+  had been given as a flag (compression: none unless given).
   """
-  from launch import registry  # pylint: disable=g-import-not-at-top
+  from launch import configs  # pylint: disable=g-import-not-at-top
   from launch import train  # pylint: disable=g-import-not-at-top
-  cfg = {"model": model, "config": "default", "data_dir": "", "replicator": "cpu",
-         "tpu": None, "compression": "none", "warmup_steps": 0, "min_size": 0,
-         "model_dir": "", "loop": "custom", "seed": 0}
-  cfg.update(registry.settings(model, overrides.get("config", "default")))
-  cfg.update(overrides)
-  cfg["explicit"] = frozenset(overrides)
-  train.validate(cfg)
-  return cfg
-
-
-@contextlib.contextmanager
-def _patched(patches: Sequence[tuple[object, str, object]]) -> Iterator[None]:
-  """Temporarily sets attributes: (object, name, value) each."""
-  saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-  try:
-    for obj, name, value in patches:
-      setattr(obj, name, value)
-    yield
-  finally:
-    for obj, name, value in reversed(saved):
-      setattr(obj, name, value)
+  base = configs.get(model, config)
+  for section, values in (sections or {}).items():
+    base[section].update(values)
+  return train.resolve(base, {"compression": "none", **overrides}, mode=mode)
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,39 +77,28 @@ def _study_job_class():
   import tf_dct  # pylint: disable=g-import-not-at-top
 
   class StudyJob(train.Job):
-    """`launch.train.Job` on logical CPUs, with hooks the launcher has no flag for.
+    """`launch.train.Job` on the first logical CPUs of the process.
+
+    The split layers' arguments (e.g. `mode="gaussian_sketch"`) and the
+    model's dimensions come from the config (`job_config(sections=...)`).
 
     Args:
       cfg: from `job_config`.
       compressor: replaces the compressor `--compression` would build (e.g.
         DCT-DP on the FC layers only); None keeps the launcher's.
-      split_kwargs: extra `DCTSplit` arguments for every split the launcher
-        inserts (e.g. `mode="gaussian_sketch"`).
-      spec: replaces the model's `launch.registry` entry (e.g. a smaller
-        Transformer).
+      spec: replaces the model's `launch.registry` entry (e.g. one that
+        initialises the model from another seed, `with_init_seed`).
     """
 
-    def __init__(self, cfg: dict, compressor=None, split_kwargs: dict | None = None,
-                 spec=None):
+    def __init__(self, cfg: dict, compressor=None, spec=None):
       super().__init__(cfg, compressor=compressor)
       if spec is not None:
         self.spec = spec
-      self._split_kwargs = dict(split_kwargs or {})
 
     def _create_replicator(self):
       k = self.cfg["num_devices_per_replica"]
       devices = common.logical_cpus(self.cfg["num_replicas"] * k, strict=True)
       return tf_dct.Replicator(devices, k)
-
-    def setup(self):
-      # The launcher builds its split layers inside setup(): swap the factory
-      # it calls for the duration.
-      patches = []
-      if self._split_kwargs:
-        patches.append((tf_dct.layers, "DCTSplit", functools.partial(
-            tf_dct.layers.DCTSplit, **self._split_kwargs)))
-      with _patched(patches):
-        return super().setup()
 
   return StudyJob
 
@@ -229,8 +205,8 @@ def split_row_bytes(mode: str, d: int, sparsity: float) -> tuple[int, int, int]:
   """(forward, backward, dense one way) bytes per row of one training step at a
   split of width d: the split layer's own byte model (`SplitCore.message_bytes`)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_dct import ops  # pylint: disable=g-import-not-at-top
-  from tf_dct.layers.dct_split import SplitCore  # pylint: disable=g-import-not-at-top
+  from tf_dct import dct_mp as ops  # pylint: disable=g-import-not-at-top
+  from tf_dct.dct_mp.split import SplitCore  # pylint: disable=g-import-not-at-top
   fwd, bwd, dense = SplitCore(sparsity, mode).message_bytes(
       1, d, ops.num_kept(d, sparsity), tf.float32, True)
   return int(fwd), int(bwd), int(dense)

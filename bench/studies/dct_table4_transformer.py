@@ -21,7 +21,6 @@ text files and read back by the model's real-data path (WordPiece tokenizer).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import os
 import tempfile
@@ -110,22 +109,6 @@ def write_task(vocab: int, noise: float, seed: int) -> str:
   return root
 
 
-def _spec(data_dir: str, model_kwargs: dict, max_len: int):
-  """The transformer's registry entry, pointed at the generated corpus and the
-  smaller model; evaluation is left to the study."""
-  from launch import registry  # pylint: disable=g-import-not-at-top
-  spec = registry.get("transformer")
-  mod = spec.load()
-  data = {"tokenizer": "wordpiece", "max_len": max_len}
-  return dataclasses.replace(
-      spec, model_kwargs=dict(model_kwargs),
-      build_fn=lambda s, cfg, split_fn: mod.build_model(
-          seed=cfg["seed"], data_dir=data_dir, split_fn=split_fn, **data, **model_kwargs),
-      dataset_fn=lambda s, cfg: mod.make_dataset(
-          cfg["batch_size"], seed=cfg["seed"], data_dir=data_dir, **data),
-      evaluate_fn=lambda s, model, cfg: {})
-
-
 def _metrics(model, data_dir: str, max_len: int, seed: int) -> dict[str, float]:
   """Test loss and BLEU (greedy), and train loss on the first training pairs."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -155,10 +138,16 @@ def run(args: argparse.Namespace) -> common.Result:
                   "dropout": 0.1}
   common.logical_cpus(1, strict=True)
   data_dir = write_task(args.vocab, args.noise, args.seed)
-  spec = _spec(data_dir, model_kwargs, max_len)
+  from launch import registry  # pylint: disable=g-import-not-at-top
+  spec = registry.get("transformer")
 
   def cfg(splits=(), eta=0.9):
-    return t1.job_config("transformer", num_replicas=1, num_devices_per_replica=1,
+    # The smaller model on the generated corpus; --mode=train: the study
+    # evaluates by itself.
+    return t1.job_config("transformer", mode="train", data_dir=data_dir,
+                         sections={"model": model_kwargs,
+                                   "data": {"tokenizer": "wordpiece", "max_len": max_len}},
+                         num_replicas=1, num_devices_per_replica=1,
                          compression="none", mp_splits=",".join(splits) or "none",
                          mp_sparsity=eta, steps=steps, batch_size=args.batch_size,
                          learning_rate=args.learning_rate, optimizer="adam",

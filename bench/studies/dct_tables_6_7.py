@@ -7,7 +7,7 @@ compresses the backward X_grad with per-row top-k and error feedback
 uncompressed model (Table 6: +1.76/+2.60/+4.03%, Table 7: +0.51/+1.10/+5.53%),
 while DCT-MP (Table 1) keeps it at 75-95%.
 
-Here all three run through the same split layer (`tf_dct.layers.DCTSplit` with
+Here all three run through the same split layer (`tf_dct.dct_mp.DCTSplit` with
 mode "dct", "gaussian_sketch" or "xgrad_topk") at the same sparsity eta, in
 `launch.train.Job` on one replica (mask-only, as in dct_table1_mp), DLRM with
 the paper's dimensions on the synthetic Criteo-shaped stream. eta fixes the
@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> common.Result:
   rows_per_replica = args.batch_size  # one replica: the residual's rows
   common.logical_cpus(1, strict=True)
 
-  def cfg(eta=0.9, split=True):
+  def cfg(eta=0.9, split=True, split_kwargs=None):
     return t1.job_config("dlrm", config=args.model_config, num_replicas=1, num_devices_per_replica=1,
-                         compression="none",
+                         sections={"split": split_kwargs or {}}, compression="none",
                          mp_splits=",".join(splits) if split else "none",
                          mp_sparsity=eta, steps=steps, batch_size=args.batch_size,
                          learning_rate=args.learning_rate, optimizer="adam",
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> common.Result:
       kwargs = {"mode": mode}
       if mode == "xgrad_topk":
         kwargs["feedback_rows"] = rows_per_replica
-      runs[(mode, eta)] = t1.train_dlrm(f"{LABEL[mode]} eta={eta:g}", cfg(eta),
-                                        eval_batches, split_kwargs=kwargs)
+      runs[(mode, eta)] = t1.train_dlrm(f"{LABEL[mode]} eta={eta:g}", cfg(eta, split_kwargs=kwargs),
+                                        eval_batches)
 
   headers = ["scheme", "eta"] + t1.DLRM_HEADERS + [
       "fwd dense / sent", "bwd dense / sent", "fwd+bwd dense / sent",

@@ -14,7 +14,7 @@ from tf_dct.compression import accounting
 from tf_dct.compression import sparse_wire
 from tests import util
 from tests.compression import harness
-from tests.ops import test_native
+from tests.compression import test_native
 
 CLTK = harness.compress_all(compression.CLTK)
 DCTDP = harness.compress_all(compression.DCTDP)
@@ -26,8 +26,11 @@ def setUpModule():
   util.setup_cpus()
 
 
-def _run(compressor, grads, shapes, replicas, logdir=None):
-  """Feeds grads[t][r][v] through `compressor`; returns per-step outputs."""
+def _run(compressor, grads, shapes, replicas, logdir=None, step=None):
+  """Feeds grads[t][r][v] through `compressor`; returns per-step outputs.
+
+  `step`: a tf.Variable set to t + 1 before step t, the summaries' step.
+  """
   repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
                            input_replication=tf_dct.PER_REPLICA)
   compressor.bind(repl)
@@ -44,9 +47,11 @@ def _run(compressor, grads, shapes, replicas, logdir=None):
 
   writer = tf.summary.create_file_writer(logdir) if logdir else None
   outs = []
-  for _ in grads:
+  for t in range(len(grads)):
+    if step is not None:
+      step.assign(t + 1)
     if writer:
-      with writer.as_default():
+      with writer.as_default(step=step):
         outs.append(util.local(repl, repl.run(step_fn, input_fn)))
     else:
       outs.append(util.local(repl, repl.run(step_fn, input_fn)))
@@ -117,7 +122,12 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     logdir = self.create_tempdir().full_path
     compressor = DCTDP(sparsity=0.9, threshold_life=10, capacity_factor=1.0,
                        min_size=10, min_count=0)
-    outs = _run(compressor, grads, shapes, replicas, logdir)
+    with self.assertRaisesRegex(TypeError, "variable_summaries must be True, False or a "
+                                "callable returning a boolean, got int"):
+      compressor.variable_summaries = 1
+    step = tf.Variable(0, dtype=tf.int64)
+    compressor.variable_summaries = lambda: tf.equal(step % 2, 0)
+    outs = _run(compressor, grads, shapes, replicas, logdir, step=step)
     stats = compressor.communication_stats()
     self.assertEqual(stats["num_replicas"], 2)
     self.assertEqual(stats["steps"], [2, 2])
@@ -146,19 +156,30 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(w0["counters"]["refreshes"], [1, 1])  # step 0 only
     self.assertEqual(stats["variables"]["w1"]["last"]["density"], [1.0, 1.0])
     self.assertTrue(all(s >= 0 for s in total["selection_seconds"]))
-    # Summaries from local replica 0, stepped by the compressor's counter.
+    # Summaries from local replica 0, at the default summary step.
     events = _events(logdir)
     self.assertEqual(events["tf_dct/bytes_sent"], [(1, sent), (2, sent)])
+    self.assertEqual(events["tf_dct/total_bytes_sent"], [(1, sent), (2, 2 * sent)])
+    self.assertEqual([s for s, _ in events["tf_dct/compression_ratio"]], [1, 2])
+    self.assertAllClose([v for _, v in events["tf_dct/compression_ratio"]],
+                        [dense / sent] * 2)  # the totals' ratio
+    residual = compressor.state_for(_var(compressor, "w0"))["residual"].numpy()[0]
+    self.assertEqual([s for s, _ in events["tf_dct/residual_norm"]], [1, 2])
+    self.assertAllClose(events["tf_dct/residual_norm"][-1][1],
+                        np.linalg.norm(residual), rtol=1e-6)
+    # The per-variable scalars only where their own condition holds too.
+    self.assertEqual([s for s, _ in events["tf_dct_variables/density/w0"]], [2])
     self.assertEqual(events["tf_dct/dense_bytes"], [(1, dense), (2, dense)])
     self.assertEqual(events["tf_dct/stock_bytes"], [(1, dense), (2, dense)])
     self.assertAllClose([v for _, v in events["tf_dct/stock_ratio"]],
                         [dense / sent] * 2)
     self.assertAllClose([v for _, v in events["tf_dct/stock_payload_ratio"]],
                         [4 * 43 / (p + m)] * 2)
-    self.assertAllClose(events["tf_dct/density/w0"][-1][1], nnz0 / 40)
-    self.assertAllClose(events["tf_dct/threshold/w0"][-1][1], taus[0])
+    self.assertAllClose(events["tf_dct_variables/density/w0"][-1][1], nnz0 / 40)
+    self.assertAllClose(events["tf_dct_variables/threshold/w0"][-1][1], taus[0])
     self.assertIn("tf_dct/density", events)
-    self.assertIn("tf_dct/refreshes/w0", events)
+    self.assertEqual(events["tf_dct_variables/refreshes/w0"], [(2, 1)])
+    self.assertFalse([t for t in events if t.startswith("tf_dct/density/")])
 
   @parameterized.named_parameters(
       ("DCTDP", lambda: DCTDP(0.8, threshold_life=3, native=False), 2),

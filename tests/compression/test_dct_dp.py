@@ -16,8 +16,8 @@ from tests import conservation
 from tests import util
 from tests.compression import harness
 from tests.compression import reference
-from tests.ops import test_native
-from tf_dct.ops import native as native_ops
+from tests.compression import test_native
+from tf_dct.compression import native as native_ops
 
 DCTDP = harness.compress_all(compression.DCTDP)
 
@@ -444,7 +444,7 @@ class GroupingTest(tf.test.TestCase, parameterized.TestCase):
 
 
 class NativeTest(tf.test.TestCase, parameterized.TestCase):
-  """The native kernel (tf_dct.ops.native) changes no bit of DCT-DP."""
+  """The native kernel (tf_dct.compression.native) changes no bit of DCT-DP."""
 
   @parameterized.named_parameters(
       ("guard_warmup", dict(warmup_steps=2, capacity_factor=1.2)),

@@ -9,7 +9,7 @@ import tensorflow as tf
 import tf_dct
 from tf_dct.compression import sparse_wire
 from tests import util
-from tests.ops import test_native
+from tests.compression import test_native
 
 
 def setUpModule():

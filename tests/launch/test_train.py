@@ -150,19 +150,25 @@ class DlrmRestartTest(tf.test.TestCase):
     second = resumed.run()
     self.assertEqual(second["steps"], 36)
     self.assertLen(second["losses"], 6)
-    events = [f for f in os.listdir(model_dir) if f.startswith("events.out.tfevents")]
-    self.assertNotEmpty(events)
-    tags = set()
-    for path in events:
-      for event in tf.compat.v1.train.summary_iterator(os.path.join(model_dir, path)):
-        tags.update(v.tag for v in event.summary.value)
-    for tag in ("train/loss", "train/steps_per_sec", "eval/auc", "comm/total_bytes_sent",
-                "comm/total_stock_bytes", "comm/stock_ratio", "tf_dct/stock_bytes",
-                "tf_dct/stock_ratio",
-                "comm/density", "tf_dct/bytes_sent", "tf_dct/density",
-                "dct_split_bottom_1/forward_bytes"):
-      self.assertIn(tag, tags)
-    self.assertTrue(any(t.startswith("tf_dct/threshold/") for t in tags), tags)
+    # TensorBoard: every training series at the logged steps of both runs
+    # (the split layers' too: evaluation adds no points), per-variable
+    # scalars at the last steps, evaluation in its own writer.
+    events = util.events(os.path.join(model_dir, "train"))
+    logged = [10, 20, 30, 36]
+    self.assertEqual([s for s, _ in events["metrics/loss"]], logged)
+    self.assertEqual({t.split("/")[0] for t in events},
+                     {"metrics", "training", "tf_dct", "tf_dct_mp", "tf_dct_variables"})
+    for tag, series in events.items():
+      want = [30, 36] if tag.startswith("tf_dct_variables/") else logged
+      self.assertEqual([s for s, _ in series], want, tag)
+    for tag in ("tf_dct/stock_ratio", "tf_dct/compression_ratio", "tf_dct/residual_norm",
+                "tf_dct_mp/dct_split_bottom_1/forward_bytes",
+                "tf_dct_mp/dct_split_top_1/backward_bytes", "tf_dct_mp/compression_ratio",
+                "training/examples_per_sec", "training/learning_rate"):
+      self.assertIn(tag, events)
+    self.assertTrue(any(t.startswith("tf_dct_variables/threshold/") for t in events))
+    evals = util.events(os.path.join(model_dir, "eval"))
+    self.assertEqual([s for s, _ in evals["metrics/auc"]], [30, 36])
     # The accounting state is checkpointed too: its step count continues.
     self.assertEqual(resumed.optimizer.communication_stats()["steps"],
                      [c + 6 for c in counts])

@@ -90,6 +90,9 @@ LAST, TOTAL = 0, 1
 _SCALARS = ("bytes_sent", "bytes_received", "payload_bytes", "stock_bytes",
             "stock_payload_bytes", "dense_bytes", "dense_payload_bytes",
             "selection_seconds")
+# The TensorBoard group of the per-variable scalars, apart from the
+# compressor's own `tf_dct/` scalars so that they stay readable.
+VARIABLE_GROUP = "tf_dct_variables"
 # The row count TF all-gathers before an IndexedSlices (one int32).
 LENGTH_BYTES = 4
 
@@ -290,7 +293,15 @@ def _scalar_metadata():
 
 
 def write_scalar(tag: str, value, step) -> None:
-  """A TensorBoard scalar under exactly `tag` (no name-scope prefix)."""
+  """A TensorBoard scalar under exactly `tag` (no name-scope prefix).
+
+  `value` may be a callable, called only when the summary is recorded. Needs
+  no TensorBoard installation (`tf.summary.scalar` does).
+  """
+  if callable(value):
+    tf.summary.write(tag, lambda: tf.cast(value(), tf.float32), step=step,
+                     metadata=_scalar_metadata())
+    return
   tf.summary.write(tag, tf.cast(value, tf.float32), step=step,
                    metadata=_scalar_metadata())
 
@@ -348,11 +359,16 @@ class Accounting(tf.Module):
     return self.per_variable[key]
 
   def update(self, records: Mapping[str, Record], num_replicas: int,
-             summaries: bool, phase: int | None = None) -> None:
+             summaries: bool, phase: int | None = None,
+             variable_summaries=True, residual_norm=None) -> None:
     """Writes this step's records of the calling replica (in replica context).
 
     `phase`: the compressor's phase this step was traced in (None without a
-    phase driver); its totals get this step too.
+    phase driver); its totals get this step too. With `summaries`, the
+    step's scalars are written; `variable_summaries` (a bool or a callable
+    giving a boolean) gates the per-variable ones on top of that, and
+    `residual_norm` (None or a callable giving the norm) adds
+    `tf_dct/residual_norm`.
 
     All records go into one [V, len(FIELDS) + 1] matrix (fields, then tau)
     built with a few ops whatever V is, the counter amounts into one [V, C]
@@ -410,13 +426,15 @@ class Accounting(tf.Module):
           totals.read_value(), [[phase]],
           tf.concat([step_vec, one], 0)[None]))
     if summaries:
-      self._summarize(records, rows, step_vec, new[TOTAL, fields])
+      self._summarize(records, rows, step_vec, new[TOTAL], variable_summaries,
+                      residual_norm)
 
-  def _summarize(self, records, rows, step_vec, steps) -> None:
+  def _summarize(self, records, rows, step_vec, total, variable_summaries,
+                 residual_norm) -> None:
+    field = {f: i for i, f in enumerate(FIELDS)}
     step = tf.summary.experimental.get_step()
     if step is None:
-      step = tf.cast(steps, tf.int64)
-    field = {f: i for i, f in enumerate(FIELDS)}
+      step = tf.cast(total[len(FIELDS)], tf.int64)
     for name in _SCALARS:
       write_scalar(f"tf_dct/{name}", step_vec[field[name]], step)
     for name, baseline, moved in (
@@ -424,17 +442,39 @@ class Accounting(tf.Module):
         ("stock_payload_ratio", "stock_payload_bytes", "payload_bytes")):
       write_scalar(f"tf_dct/{name}", tf.math.divide_no_nan(
           step_vec[field[baseline]], step_vec[field[moved]]), step)
+    write_scalar("tf_dct/compression_ratio", tf.math.divide_no_nan(
+        total[field["stock_bytes"]], total[field["bytes_sent"]]), step)
+    write_scalar("tf_dct/total_bytes_sent", total[field["bytes_sent"]], step)
     write_scalar("tf_dct/density",
                  step_vec[field["nnz"]] / step_vec[field["size"]], step)
+    if residual_norm is not None:
+      write_scalar("tf_dct/residual_norm", residual_norm, step)
+    if variable_summaries is False:
+      return
+    if variable_summaries is True:
+      self._summarize_variables(records, rows, step)
+      return
+    # One branch around them all: a step that writes none of them runs one
+    # conditional, not one per scalar (thousands on a large model).
+    def write():
+      self._summarize_variables(records, rows, step)
+      return tf.constant(True)
+
+    tf.cond(tf.logical_and(tf.summary.should_record_summaries(),
+                           tf.cast(variable_summaries(), tf.bool)),
+            write, lambda: tf.constant(False))
+
+  def _summarize_variables(self, records, rows, step) -> None:
+    field = {f: i for i, f in enumerate(FIELDS)}
     for key, rec in records.items():
       name, row = self._names[key], rows[key]
-      write_scalar(f"tf_dct/density/{name}",
+      write_scalar(f"{VARIABLE_GROUP}/density/{name}",
                    row[LAST, field["nnz"]] / row[LAST, field["size"]], step)
       if rec.threshold is not None:
-        write_scalar(f"tf_dct/threshold/{name}", rec.threshold, step)
+        write_scalar(f"{VARIABLE_GROUP}/threshold/{name}", rec.threshold, step)
       for i, c in enumerate(self._counter_names[key]):
-        write_scalar(f"tf_dct/{c}/{name}", row[TOTAL, len(FIELDS) + 1 + i],
-                     step)
+        write_scalar(f"{VARIABLE_GROUP}/{c}/{name}",
+                     row[TOTAL, len(FIELDS) + 1 + i], step)
 
   def to_python(self, replicator) -> dict:
     """The statistics as plain Python / numpy values, per local replica."""

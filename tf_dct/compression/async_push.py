@@ -123,7 +123,7 @@ class AsyncPush:
       raise ValueError("AsyncPush: the servers apply plain SGD pushes; Adam "
                        "correction (adam=True) is not available here, pass "
                        "DCTDP(adam=False)")
-    from tf_dct.async_replicator import AsyncReplicator  # pylint: disable=g-import-not-at-top
+    from tf_dct.distribute.async_replicator import AsyncReplicator  # pylint: disable=g-import-not-at-top
     if not isinstance(replicator, AsyncReplicator):
       raise TypeError("AsyncPush needs a tf_dct.AsyncReplicator, got "
                       f"{type(replicator).__name__}")

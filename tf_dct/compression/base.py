@@ -202,6 +202,7 @@ class Compressor(tf.Module):
     # None: time selection and write summaries unless the bound replicator
     # compiles with XLA; False: never (e.g. under your own jit_compile).
     self.time_selection = None
+    self.variable_summaries = True
     # Momentum correction (`momentum_correction`): 0.0 off; None until a
     # Keras adapter takes it from a momentum SGD optimizer. Only compressors
     # with an error-feedback residual offer it (`_init_momentum`).
@@ -512,11 +513,48 @@ class Compressor(tf.Module):
       results[i] = t if results[i] is None else results[i] + t
 
   @property
+  def variable_summaries(self):
+    """When the per-variable summaries are written (`tf_dct_variables/`).
+
+    The compressor writes its scalars whenever a default `tf.summary` writer
+    is active and records (`tf.summary.record_if`). Its per-variable ones
+    (density, threshold, counters of every variable: thousands on a large
+    model) are gated further: True (default) writes them with the others,
+    False never, and a callable returning a boolean (tensor), such as
+    `lambda: step % 1000 == 0`, is evaluated in the step like the condition
+    of `tf.summary.record_if`, so they are written only when it holds too.
+    """
+    return self._variable_summaries
+
+  @variable_summaries.setter
+  def variable_summaries(self, value) -> None:
+    if not (isinstance(value, bool) or callable(value)):
+      raise TypeError(f"{type(self).__name__}: variable_summaries must be True, False "
+                      "or a callable returning a boolean, got "
+                      f"{type(value).__name__}")
+    self._variable_summaries = value
+
+  def residual_norm(self) -> tf.Tensor | None:
+    """The L2 norm of the calling replica's error-feedback residuals.
+
+    Over every variable's `residual` state: what the replica holds back to
+    send in later steps. None for a compressor without residuals. Call in a
+    replica context (a step), where it reads the current values.
+    """
+    residuals = [st["residual"].local() for st in self.state.values()
+                 if "residual" in st]
+    if not residuals:
+      return None
+    return tf.sqrt(tf.add_n([
+        tf.reduce_sum(tf.square(tf.cast(r.read_value(), tf.float32)))
+        for r in residuals]))
+
+  @property
   def timing_enabled(self) -> bool:
     """Whether selection time is measured (tf.timestamp has no XLA kernel)."""
     if self.time_selection is not None:
       return bool(self.time_selection)
-    return not getattr(self._replicator, "_jit_compile", False)
+    return not getattr(self._replicator, "jit_compile", False)
 
   def record(self, variable: tf.Variable, *, gather_bytes: int = 0,
              reduce_bytes: int = 0, nnz=None, sent=None, threshold=None,
@@ -579,8 +617,11 @@ class Compressor(tf.Module):
     done = [r.values if isinstance(r, tf.IndexedSlices) else r
             for r in results if r is not None]
     with tf.control_dependencies(error_feedback.gate(done)):
+      has_residual = any("residual" in st for st in self.state.values())
       self.accounting.update({k: rec for k, (_, rec) in records.items()},
-                             ctx.num_replicas_in_sync, summaries, self.phase)
+                             ctx.num_replicas_in_sync, summaries, self.phase,
+                             variable_summaries=self.variable_summaries,
+                             residual_norm=self.residual_norm if has_residual else None)
 
   def per_replica_state(self, initial_value, name: str):
     if self._replicator is None:

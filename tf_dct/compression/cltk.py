@@ -31,7 +31,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_dct import primitives
+from tf_dct.distribute import primitives
 from tf_dct.compression import accounting
 from tf_dct.compression import error_feedback_compressor
 from tf_dct.compression import sparse_wire

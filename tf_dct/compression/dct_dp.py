@@ -37,7 +37,7 @@ from tf_dct.compression import dct_dp_fast
 from tf_dct.compression import error_feedback
 from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
-from tf_dct.ops import native as native_ops
+from tf_dct.compression import native as native_ops
 
 _check = functools.partial(validation.check_number, "DCTDP")
 
@@ -252,7 +252,7 @@ class DCTDP(Compressor):
       variable with a dense gradient whole (one all-reduce) where that
       moves no more bytes than compressing it (a bias, a small layer;
       `Compressor`).
-    native: use the native CPU kernels (`tf_dct.ops.native`, built on first
+    native: use the native CPU kernels (`tf_dct.compression.native`, built on first
       use; results bit-identical to stock ops) for lines 2-11 of every
       variable and the long wire buffers (line 12). None
       (default): when they build, on CPU and outside XLA; False: never;

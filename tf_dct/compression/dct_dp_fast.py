@@ -10,7 +10,7 @@ the same bits (tested against `select` and the numpy reference):
   dtype are laid end to end and share one mask, one prefix count and one
   compaction, each with its own threshold, schedule, capacity and residual.
 * `select_native`: on CPU outside XLA, all of a replica's variables of one
-  dtype go through lines 2-11 in one C++ op (`tf_dct.ops.native.select`),
+  dtype go through lines 2-11 in one C++ op (`tf_dct.compression.native.select`),
   which also checks the gradients and adds the residual.
 """
 
@@ -25,7 +25,7 @@ import tensorflow as tf
 from tf_dct.compression import dct_dp
 from tf_dct.compression import error_feedback
 from tf_dct.compression import sparse_wire
-from tf_dct.ops import native as native_ops
+from tf_dct.compression import native as native_ops
 
 # With stock ops, variables of at most this many entries are selected
 # together (`select_fused`); larger ones one by one. Grouping saves ops per

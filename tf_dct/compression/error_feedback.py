@@ -170,7 +170,7 @@ def checked_reads(owner: str, grads: Sequence, variables: Sequence,
 
   `checked_by_caller[i]` True skips the check of gradient i: the caller
   checks it in the op that first reads it (a native kernel that raises on a
-  non-finite entry, `tf_dct.ops.native`), and everything it contributes
+  non-finite entry, `tf_dct.compression.native`), and everything it contributes
   depends on that op.
   """
   if checked_by_caller is None:

@@ -55,7 +55,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dct import _private
-from tf_dct.ops import native
+from tf_dct.compression import native
 
 # Positions travel as int32, so a vector must have fewer entries than this.
 MAX_SIZE = 2**31 - 1
@@ -596,8 +596,8 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     of sums[v]. On CPU (outside XLA, float32/float64 values) two native
     kernels do the work of the stock ops, bit for bit: one lays this
     replica's vectors into one int32 payload per value dtype
-    (`tf_dct.ops.native.encode`), and after the all-gather one decodes,
-    sums and counts (`tf_dct.ops.native.gather_sum`).
+    (`tf_dct.compression.native.encode`), and after the all-gather one decodes,
+    sums and counts (`tf_dct.compression.native.gather_sum`).
   """
   buffers = list(buffers)
   if not buffers:

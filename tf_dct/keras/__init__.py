@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
 from absl import logging
 import tensorflow as tf
@@ -28,6 +29,7 @@ from tf_dct.compression import error_feedback
 from tf_dct.compression.base import Compressor
 
 _WRAPPED_CLASSES = {}
+_WRAP_COUNTS = weakref.WeakKeyDictionary()  # replicator -> optimizers wrapped
 _APPLYING = threading.local()  # per replica thread: (graph, ExitStack) of `apply`
 
 
@@ -302,9 +304,24 @@ def check_compression(compressor, replicator) -> None:
         f"create one compressor per wrapped optimizer (e.g. {name}() for each)")
 
 
-def wrap_optimizer(optimizer, compressor: Compressor, replicator):
-  """Wraps `optimizer` in place so it aggregates through `compressor`."""
+def wrap_optimizer(optimizer, replicator, compression: Compressor | None = None):
+  """Makes `optimizer` aggregate its gradients across replicas itself.
+
+  Args:
+    optimizer: a tf-keras or Keras 3 optimizer created in `replicator`'s
+      scope. It is wrapped in place (its class gains the aggregation hook; its
+      state and checkpoint layout stay) and returned.
+    replicator: the `tf_dct` replicator whose replicas it aggregates over.
+    compression: a `tf_dct.compression.Compressor` instance of its own (one
+      per wrapped optimizer); None means dense SUM, exactly the built-in
+      aggregation.
+
+  Returns:
+    The same optimizer object, now aggregating through `compression`.
+  """
+  from tf_dct.compression import Dense  # pylint: disable=g-import-not-at-top
   check_optimizer(optimizer)
+  compressor = Dense() if compression is None else compression
   check_compression(compressor, replicator)
   if is_wrapped(optimizer):
     raise ValueError("optimizer is already wrapped by tf_dct.wrap_optimizer")
@@ -318,10 +335,16 @@ def wrap_optimizer(optimizer, compressor: Compressor, replicator):
         "optimizer must be a tf-keras (tf_keras.optimizers.Optimizer, not the "
         "legacy OptimizerV2) or Keras 3 optimizer, got "
         f"{type(optimizer).__module__}.{type(optimizer).__name__}")
+  if hasattr(compressor, "config"):  # workers must wrap with like settings
+    count = _WRAP_COUNTS.get(replicator, 0) + 1
+    _WRAP_COUNTS[replicator] = count
+    replicator.agree(f"wrap_optimizer_{count}",
+                     {"optimizer": type(optimizer).__name__, **compressor.config()})
   _resolve_momentum(optimizer, compressor)
   _resolve_adam(optimizer, compressor)
   compressor.bind(replicator)
   compressor._tf_dct_wraps = True  # pylint: disable=protected-access
   _swap_class(optimizer, mixin)
   optimizer._tf_dct_compressor = compressor  # tracked: per-replica state is checkpointed
+  replicator.add_trace_hook(lambda: phase(optimizer))
   return optimizer

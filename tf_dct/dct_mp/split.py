@@ -1,0 +1,385 @@
+"""The Keras-free core of the DCT-MP split layer, and the layer around it.
+
+`SplitCore` holds the configuration, validates it, creates the layer state
+through a callback the Keras wrapper provides, and applies one of three modes:
+
+* "dct": DCT-MP (Algorithm 2), `tf_dct.dct_mp.op` / `dct_mp_transfer`.
+* "gaussian_sketch": forward sketch, dense backward (Appendix A).
+* "xgrad_topk": dense forward, top-k + error feedback backward (Appendix A).
+
+Inference (`training` false). `apply_at_inference=None` (default) applies
+the mode at inference for "dct" and is the identity for the two baselines;
+True / False force it. Why: the layers after a DCT-MP split are trained on
+rows with only k non-zeros, and feeding them the dense row at inference shifts
+their input (unlike dropout there is no rescaling that would make the two
+agree). On the synthetic task of tests/dct_mp/test_training.py a model trained
+with DCTSplit(0.9) and evaluated densely had a 15% higher training loss than
+evaluated with the mask. The Gaussian sketch is unbiased (E[S S^T] = I), so
+its dense forward is the expected one; "xgrad_topk" is the identity forward
+anyway.
+
+Device boundary. With `target_device` (a device string) or
+`target_logical_device` (an index for the `logical_device` of the tf_dct
+Replicator running the step) the output is produced on that device and only
+the compressed form crosses. Without either, the mode runs in place.
+`target_logical_device` only names a device inside a replica context of a
+tf_dct replicator (its `run`, or Keras `fit` / `evaluate` / `predict` of a
+model built in its scope). Anywhere else (the symbolic call building a
+functional model under `scope()`, an eager call, a call under another
+strategy) the layer falls back to running in place: the same values as the
+compact transfer (bit for bit), on the current device, with no device move.
+
+Error feedback ("xgrad_topk"). Each replica keeps its own residual. Built in
+the scope of a tf_dct replicator (or lazily inside its `run`), the residual is
+that replicator's `per_replica_state` (one variable per replica, each saved
+and restored under its own checkpoint key; it lives on the replica's first
+device, so with `target_logical_device` != 0 the backward reads and writes it
+across the boundary); built with no strategy, a plain variable on
+`target_device`. Other strategies with more than one replica are rejected.
+
+Accounting. Per active call (per replica), bytes that cross (or would cross)
+the boundary ("dct": forward k values + k column indices per row, the
+indices bit-packed or byte-aligned, whichever is smaller (see
+`tf_dct.dct_mp.index_wire`); backward k values per row, as both sides keep the
+forward's indices): `forward_bytes`, `backward_bytes`, and the dense
+equivalent `dense_bytes` per direction, plus running totals and the number of
+active calls. The counts are the sizes of the tensors that cross, values and
+indices; nothing else crosses when at most one axis of the input is unknown
+(with more, the shape vector also crosses, which is not counted). The
+backward bytes are set when the forward runs with training=True. If
+a default `tf.summary` writer is active and records, the first replica
+writes them as scalars `tf_dct_mp/<name>/forward_bytes`, `/backward_bytes`
+and `/dense_bytes` at `tf.summary.experimental.get_step()` (or the call
+count), one TensorBoard group for every split layer.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from tf_dct.dct_mp.gaussian_sketch import gaussian_sketch
+from tf_dct.dct_mp.op import check_input
+from tf_dct.dct_mp.op import check_sparsity
+from tf_dct.dct_mp.op import dct_mp
+from tf_dct.dct_mp.op import num_kept
+from tf_dct.dct_mp.transfer import compact_bytes
+from tf_dct.dct_mp.transfer import dct_mp_transfer
+from tf_dct.dct_mp.transfer import device_scope
+from tf_dct.dct_mp.xgrad_topk import xgrad_topk
+from tf_dct.distribute.per_replica_state import PerReplicaState
+from tf_dct.distribute.replicator import ReplicatorMixin
+
+MODES = ("dct", "gaussian_sketch", "xgrad_topk")
+STAT_NAMES = ("forward_bytes", "backward_bytes", "dense_bytes",
+              "total_forward_bytes", "total_backward_bytes",
+              "total_dense_bytes", "calls")
+
+# The TensorBoard group of the split layers' scalars.
+SUMMARY_GROUP = "tf_dct_mp"
+_SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
+    plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"))
+
+# add_variable(name, shape, dtype) -> a non-trainable, zero-initialised
+# variable whose value is kept per replica.
+AddVariable = Callable[[str, list, tf.DType], Any]
+
+
+def current_replicator() -> ReplicatorMixin | None:
+  """The tf_dct replicator whose replica context this is, else None."""
+  if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+    return None
+  strategy = tf.distribute.get_replica_context().strategy
+  return strategy if isinstance(strategy, ReplicatorMixin) else None
+
+
+class SplitCore:
+  """Configuration, state and forward of a DCT-MP split (no Keras here).
+
+  Args:
+    sparsity: eta in [0, 1), the fraction of each row dropped.
+    mode: "dct", "gaussian_sketch" or "xgrad_topk".
+    apply_at_inference: apply the mode when training is false; None: only
+      for mode "dct" (see the module docstring).
+    target_device: device string the output is produced on, or None.
+    target_logical_device: index of the current tf_dct Replicator's
+      `logical_device` the output is produced on, or None; outside a replica
+      context of a tf_dct replicator the layer runs in place (same values).
+    sketch_seed: seed of the fixed Gaussian sketch ("gaussian_sketch").
+    feedback_rows: rows of the error-feedback residual ("xgrad_topk"); default:
+      the product of the static leading dimensions of the first input.
+    name: the layer's name; its summary scalars are `tf_dct_mp/<name>/...`.
+  """
+
+  def __init__(self, sparsity: float = 0.9, mode: str = "dct",
+               apply_at_inference: bool | None = None,
+               target_device: str | None = None,
+               target_logical_device: int | None = None,
+               sketch_seed: int = 0, feedback_rows: int | None = None,
+               name: str = "dct_split"):
+    self.sparsity = check_sparsity(sparsity, "DCTSplit")
+    if mode not in MODES:
+      raise ValueError(f"DCTSplit: mode must be one of {MODES}, got {mode!r}")
+    if apply_at_inference is not None and not isinstance(apply_at_inference,
+                                                          bool):
+      raise ValueError("DCTSplit: apply_at_inference must be None or a bool, got "
+                       f"{apply_at_inference!r}")
+    if target_device is not None and not isinstance(target_device, str):
+      raise ValueError("DCTSplit: target_device must be a device string or "
+                       f"None, got {target_device!r}")
+    if target_device is not None and target_logical_device is not None:
+      raise ValueError("DCTSplit: give target_device or target_logical_device, "
+                       "not both")
+    for arg, value, lo in (("target_logical_device", target_logical_device, 0),
+                           ("feedback_rows", feedback_rows, 1)):
+      if value is not None and (isinstance(value, bool) or
+                                not isinstance(value, numbers.Integral) or
+                                value < lo):
+        raise ValueError(f"DCTSplit: {arg} must be None or an int >= {lo}, "
+                         f"got {value!r}")
+    if isinstance(sketch_seed, bool) or not isinstance(sketch_seed, numbers.Integral):
+      raise ValueError(f"DCTSplit: sketch_seed must be an int, got {sketch_seed!r}")
+    self.mode = mode
+    self.apply_at_inference = apply_at_inference
+    self.target_device = target_device
+    self.target_logical_device = (None if target_logical_device is None
+                                  else int(target_logical_device))
+    self.sketch_seed = int(sketch_seed)
+    self.feedback_rows = None if feedback_rows is None else int(feedback_rows)
+    self.name = name
+    self.stats: dict[str, Any] = {}
+    self.residual = None
+    self._residual_owner = None  # the replicator of a per-replica residual
+    self.d = None
+
+  def config(self) -> dict:
+    """The constructor arguments (without `name`), JSON-serializable."""
+    return {"sparsity": self.sparsity, "mode": self.mode,
+            "apply_at_inference": self.apply_at_inference,
+            "target_device": self.target_device,
+            "target_logical_device": self.target_logical_device,
+            "sketch_seed": self.sketch_seed,
+            "feedback_rows": self.feedback_rows}
+
+  def build(self, shape, add_variable: AddVariable) -> None:
+    """Validates the input shape and creates the state."""
+    shape = tf.TensorShape(shape)
+    if shape.rank is None or shape.rank < 2:
+      raise ValueError(f"DCTSplit: inputs must have rank >= 2 ([batch, ..., d]), "
+                       f"got shape {shape}")
+    d = shape[-1]
+    if d is None:
+      raise ValueError(f"DCTSplit: the last axis (d) must be known, got {shape}")
+    k = num_kept(d, self.sparsity)
+    if k < 1:
+      raise ValueError(f"DCTSplit: k = d - floor(d * sparsity) must be >= 1, got "
+                       f"k = {k} for d = {d}, sparsity = {self.sparsity}")
+    rows = self.feedback_rows
+    if self.mode == "xgrad_topk" and rows is None:
+      lead = shape[:-1]
+      if not lead.is_fully_defined():
+        raise ValueError(
+            "DCTSplit(mode='xgrad_topk'): the error-feedback residual needs a "
+            f"static number of rows; the input shape is {shape}: pass "
+            "feedback_rows (per-replica batch times middle axes) or a static "
+            "batch size")
+      rows = lead.num_elements()
+    strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, ReplicatorMixin):
+      self._check_logical_device(strategy)
+    elif (self.mode == "xgrad_topk" and tf.distribute.has_strategy() and
+          strategy.num_replicas_in_sync > 1):
+      raise ValueError(
+          "DCTSplit(mode='xgrad_topk') keeps its error-feedback residual per "
+          "replica, which needs a tf_dct replicator (build the layer in its "
+          f"scope) or no strategy; got {type(strategy).__name__} with "
+          f"{strategy.num_replicas_in_sync} replicas")
+    self.d = d
+    self.stats = {n: add_variable(n, [], tf.int64) for n in STAT_NAMES}
+    if self.mode == "xgrad_topk":
+      self.feedback_rows = rows
+      if isinstance(strategy, ReplicatorMixin):
+        self.residual = strategy.per_replica_state(
+            tf.zeros([rows, d], tf.float32), name=f"{self.name}/residual")
+        self._residual_owner = strategy
+      else:
+        # On the target device, where the backward reads and updates it.
+        with device_scope(self.target_device):
+          self.residual = add_variable("residual", [rows, d], tf.float32)
+
+  def _check_logical_device(self, replicator: ReplicatorMixin) -> None:
+    index, k = self.target_logical_device, replicator.num_devices_per_replica
+    if index is not None and index >= k:
+      raise ValueError(
+          f"DCTSplit: target_logical_device must be in [0, {k}) for a "
+          f"replicator with num_devices_per_replica={k}, got {index}")
+
+  def _residual_variable(self):
+    """The residual variable of the current replica ("xgrad_topk")."""
+    replicator = current_replicator()
+    if isinstance(self.residual, PerReplicaState):
+      if replicator is not self._residual_owner:
+        raise ValueError(
+            "DCTSplit(mode='xgrad_topk'): the residual is kept per replica of "
+            "the tf_dct replicator the layer was built under; call the layer "
+            "with training=True inside that replicator's run(...) (or Keras "
+            "fit)")
+      return self.residual.local()
+    if replicator is not None and replicator.num_replicas_in_sync > 1:
+      raise ValueError(
+          "DCTSplit(mode='xgrad_topk'): the layer was built outside a tf_dct "
+          "replicator's scope, so its residual is one variable, but it runs "
+          f"on {replicator.num_replicas_in_sync} replicas; build it in "
+          "replicator.scope()")
+    return self.residual
+
+  def _target(self):
+    """The target device, or None to run in place (see the module docstring)."""
+    if self.target_device is not None:
+      return self.target_device
+    if self.target_logical_device is None:
+      return None
+    replicator = current_replicator()
+    if replicator is None:  # no replica of a tf_dct replicator: in place
+      return None
+    self._check_logical_device(replicator)
+    index = self.target_logical_device
+    return lambda: replicator.logical_device(index)
+
+  def __call__(self, x, training: bool) -> tf.Tensor:
+    """Applies the split; identity when inactive (see the module docstring)."""
+    at_inference = (self.mode == "dct" if self.apply_at_inference is None
+                    else self.apply_at_inference)
+    if not (training or at_inference):
+      return x
+    x, d, k = check_input(x, self.sparsity, "DCTSplit")
+    if d != self.d:
+      raise ValueError(f"DCTSplit: built for d = {self.d}, got input {x.shape}")
+    target = self._target()
+    if self.mode == "dct":
+      y = dct_mp(x, self.sparsity) if target is None else dct_mp_transfer(
+          x, self.sparsity, target)
+    elif self.mode == "gaussian_sketch":
+      y = gaussian_sketch(x, self.sparsity, self.sketch_seed, target)
+    else:
+      y = xgrad_topk(x, self.sparsity, self._residual_variable(), target)
+    self._account(x, d, k, bool(training))
+    return y
+
+  def message_bytes(self, rows, d: int, k: int, dtype: tf.DType,
+                    training: bool) -> tuple[Any, Any, Any]:
+    """(forward, backward, dense per direction) bytes for `rows` rows."""
+    val = tf.as_dtype(dtype).size
+    dense = rows * d * val
+    compact = compact_bytes(rows, d, k, dtype)  # values + encoded indices
+    # "dct" backward: values only; both sides kept the forward's indices.
+    forward, backward = {"dct": (compact, rows * k * val),
+                         "gaussian_sketch": (rows * k * val, dense),
+                         "xgrad_topk": (dense, compact)}[self.mode]
+    return forward, backward if training else 0 * backward, dense
+
+  def _account(self, x, d: int, k: int, training: bool) -> None:
+    rows = tf.cast(tf.reduce_prod(tf.shape(x)[:-1]), tf.int64)
+    fwd, bwd, dense = self.message_bytes(rows, d, k, x.dtype, training)
+    s = self.stats
+    s["forward_bytes"].assign(fwd)
+    s["backward_bytes"].assign(bwd)
+    s["dense_bytes"].assign(dense)
+    s["total_forward_bytes"].assign_add(fwd)
+    s["total_backward_bytes"].assign_add(bwd)
+    s["total_dense_bytes"].assign_add(dense * (2 if training else 1))
+    calls = s["calls"].assign_add(1)
+    self._summarize(fwd, bwd, dense, calls)
+
+  def _summarize(self, fwd, bwd, dense, calls) -> None:
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None:
+      replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+      if replica is not None and int(replica) != 0:
+        return
+    step = tf.summary.experimental.get_step()
+    step = calls if step is None else step
+    for tag, value in (("forward_bytes", fwd), ("backward_bytes", bwd),
+                       ("dense_bytes", dense)):
+      # tf.summary.write with the "scalars" plugin tag is what
+      # tf.summary.scalar writes; it works without TensorBoard installed and
+      # is a no-op without a default writer.
+      tf.summary.write(f"{SUMMARY_GROUP}/{self.name}/{tag}", tf.cast(value, tf.float32),
+                       step=step, metadata=_SCALAR_METADATA)
+
+  def read_stats(self) -> dict[str, int]:
+    """The accounting variables as Python ints (first replica's values)."""
+    return {n: int(tf.convert_to_tensor(v).numpy()) for n, v in self.stats.items()}
+
+
+class SplitLayerMixin:
+  """The Keras layer around a `SplitCore`, for both Keras flavours.
+
+  A flavour is `class DCTSplit(SplitLayerMixin, <Keras Layer>)` defining
+  `_add_state(name, shape, dtype)`: a non-trainable, zero-initialised
+  variable synchronised on read that only the first replica's value
+  aggregates (the accounting; without a strategy, a plain variable).
+
+  Args:
+    sparsity, mode, apply_at_inference, target_device, target_logical_device,
+    sketch_seed, feedback_rows: see `SplitCore`.
+    **kwargs: passed to the Keras layer (`name`, ...). Inputs are not
+      autocast by default: the op runs in the input's dtype.
+  """
+
+  def __init__(self, sparsity: float = 0.9, mode: str = "dct",
+               apply_at_inference: bool | None = None,
+               target_device: str | None = None,
+               target_logical_device: int | None = None,
+               sketch_seed: int = 0, feedback_rows: int | None = None,
+               **kwargs):
+    # Validate before the Keras layer exists (Keras 3 allows no attribute
+    # before its __init__).
+    core = SplitCore(sparsity, mode, apply_at_inference, target_device,
+                     target_logical_device, sketch_seed, feedback_rows)
+    kwargs.setdefault("autocast", False)
+    super().__init__(**kwargs)
+    core.name = self.name
+    self._core = core
+
+  def _add_state(self, name: str, shape: list, dtype: tf.DType):
+    raise NotImplementedError("a DCTSplit flavour defines _add_state")
+
+  def build(self, input_shape):
+    self._core.build(input_shape, self._add_state)
+    if isinstance(self._core.residual, PerReplicaState):
+      # Tracked, so a checkpoint of the layer holds every replica's residual.
+      self.residual_per_replica = self._core.residual
+    super().build(input_shape)
+
+  def call(self, inputs, training=None):
+    return self._core(inputs, training=bool(training))
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
+
+  @property
+  def sparsity(self) -> float:
+    return self._core.sparsity
+
+  @property
+  def mode(self) -> str:
+    return self._core.mode
+
+  @property
+  def residual(self):
+    """The error-feedback residual ("xgrad_topk"), else None.
+
+    A `tf_dct.PerReplicaState` when built under a tf_dct replicator, else a
+    variable.
+    """
+    return self._core.residual
+
+  def bytes_stats(self) -> dict[str, int]:
+    """Accounting (last active call and totals, first replica) as ints."""
+    return self._core.read_stats()
+
+  def get_config(self):
+    return {**super().get_config(), **self._core.config()}
