@@ -31,7 +31,29 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # TFRS needs tf.keras = Keras 2
+KERAS_CHOICES = ("auto", "2", "3")
+
+
+def select_keras(argv: list[str]) -> None:
+  """Sets `TF_USE_LEGACY_KERAS` from `--keras` in `argv`, before TensorFlow
+  resolves `tf.keras` (absl parses the flag later, when it is too late).
+
+  2: tf-keras, 3: Keras 3, auto (or absent): the environment's
+  `TF_USE_LEGACY_KERAS`, else tf-keras (TFRS, which DLRM and NCF use, needs it).
+  """
+  choice = "auto"
+  for i, arg in enumerate(argv):
+    if arg.startswith("--keras="):
+      choice = arg.split("=", 1)[1]
+    elif arg == "--keras" and i + 1 < len(argv):
+      choice = argv[i + 1]
+  if choice in ("2", "3"):
+    os.environ["TF_USE_LEGACY_KERAS"] = "1" if choice == "2" else "0"
+  else:
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+
+select_keras(sys.argv[1:])
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -41,7 +63,6 @@ import ml_collections
 from ml_collections import config_flags
 import numpy as np
 import tensorflow as tf
-import tf_keras
 
 import tf_dct
 from tf_dct import keras as tf_dct_keras
@@ -51,6 +72,8 @@ from launch import registry
 from launch import summaries
 from models.data.errors import DataError
 from models.data.errors import MALFORMED
+from models.flavour import LEGACY
+from models.flavour import keras
 
 MODELS = tuple(registry.SPECS)
 CONFIGS = configs.PRESETS
@@ -64,14 +87,16 @@ COMPRESSIONS = ("none", "dct", "deft", "topk", "cltk", "threshold")
 COMPRESSOR_CLASSES = {"none": "Dense", "dct": "DCTDP", "deft": "DEFT", "topk": "TopK",
                       "cltk": "CLTK", "threshold": "HardThreshold"}
 LOOPS = ("custom", "fit")
+# Models built on TensorFlow Recommenders: tf-keras only (--keras).
+TF_KERAS_MODELS = ("dlrm", "ncf")
 OPTIMIZERS = registry.OPTIMIZERS
-# Momentum of --optimizer=momentum (tf_keras SGD).
+# Momentum of --optimizer=momentum (Keras SGD).
 MOMENTUM = 0.9
 # Compressors with an error-feedback residual: they take --min_count and can
 # keep the momentum themselves (DGC momentum correction).
 SPARSIFIERS = ("dct", "deft", "topk")
 # Decoupled weight decay of --optimizer=adamw (scaled by the learning rate, as
-# in tf_keras.optimizers.AdamW and torch.optim.AdamW).
+# in keras.optimizers.AdamW and torch.optim.AdamW).
 ADAMW_WEIGHT_DECAY = 0.01
 
 flags.DEFINE_enum("model", "dlrm", MODELS, "Model to train (models/<name>).")
@@ -162,7 +187,7 @@ flags.DEFINE_integer("summary_every", None,
                      "multiple of --log_every. Default: 10 x --log_every.")
 flags.DEFINE_string("model_dir", "", "Checkpoints and TensorBoard summaries; empty: neither.")
 flags.DEFINE_enum("loop", "custom", LOOPS,
-                  "custom: Replicator.run(step_fn, input_fn); fit: tf-keras model.fit.")
+                  "custom: Replicator.run(step_fn, input_fn); fit: Keras model.fit.")
 flags.DEFINE_enum("optimizer", None, OPTIMIZERS,
                   "Optimizer: sgd, momentum (SGD with momentum 0.9), adam, adamw (Adam "
                   f"with decoupled weight decay {ADAMW_WEIGHT_DECAY}), adagrad. Default: "
@@ -171,6 +196,10 @@ flags.DEFINE_float("learning_rate", None,
                    "Learning rate. Default: per model and --optimizer (a table in "
                    "launch/registry.py, one per preset).")
 flags.DEFINE_integer("seed", 0, "Seed of model initialisation and data.")
+flags.DEFINE_enum("keras", "auto", KERAS_CHOICES,
+                  "Keras flavour: 2 (tf-keras), 3 (Keras 3; not for dlrm and ncf, whose "
+                  "TensorFlow Recommenders needs tf-keras), auto (TF_USE_LEGACY_KERAS "
+                  "if set, else tf-keras). Read before TensorFlow is imported.")
 
 FLAGS = flags.FLAGS
 
@@ -430,6 +459,16 @@ def parse_schedule(items, comp: str) -> tuple[tuple[int, float], ...]:
 def validate(cfg: dict) -> None:
   """Every check that needs no TensorFlow device; raises FlagError."""
   spec = registry.get(cfg["model"])
+  if not LEGACY and cfg["model"] in TF_KERAS_MODELS:
+    raise FlagError(
+        f"--model={cfg['model']} needs tf-keras (TensorFlow Recommenders needs "
+        "tf.keras to be Keras 2), but this run uses Keras 3 (--keras=3, or "
+        "TF_USE_LEGACY_KERAS=0 with --keras=auto); pass --keras=2")
+  if not LEGACY and cfg["loop"] == "fit" and cfg["replicator"] == "multi_worker":
+    raise FlagError(
+        "--loop=fit with --replicator=multi_worker needs tf-keras: Keras 3 model.fit "
+        "does not support MultiWorkerMirroredStrategy (upstream keras#20585); use "
+        "--loop=custom or --keras=2")
   for section in ("model", "data", "eval"):
     _check_section(section, cfg.get(SECTION_KEYS[section]) or {})
   if cfg.get("mode") == "eval" and not cfg["model_dir"]:
@@ -557,19 +596,19 @@ def make_compressor(cfg: dict):
 
 
 def make_optimizer(cfg: dict):
-  """The tf_keras optimizer of `--optimizer` at `--learning_rate`."""
+  """The Keras optimizer of `--optimizer` at `--learning_rate`."""
   lr = cfg["learning_rate"]
   name = cfg["optimizer"]
   if name == "sgd":
-    return tf_keras.optimizers.SGD(lr)
+    return keras.optimizers.SGD(lr)
   if name == "momentum":
-    return tf_keras.optimizers.SGD(lr, momentum=MOMENTUM)
+    return keras.optimizers.SGD(lr, momentum=MOMENTUM)
   if name == "adam":
-    return tf_keras.optimizers.Adam(lr)
+    return keras.optimizers.Adam(lr)
   if name == "adamw":
-    return tf_keras.optimizers.AdamW(lr, weight_decay=ADAMW_WEIGHT_DECAY)
+    return keras.optimizers.AdamW(lr, weight_decay=ADAMW_WEIGHT_DECAY)
   if name == "adagrad":
-    return tf_keras.optimizers.Adagrad(lr)
+    return keras.optimizers.Adagrad(lr)
   raise FlagError(f"--optimizer: unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
@@ -818,7 +857,8 @@ class Job:
       target = (j + 1) % k if k > 1 else None
       # Outside a replica (building the functional model, evaluation) a layer
       # with a device target applies the same mask in place.
-      layer = tf_dct.dct_mp.DCTSplit(
+      split_cls = tf_dct.dct_mp.DCTSplit if LEGACY else tf_dct.dct_mp.Keras3DCTSplit
+      layer = split_cls(
           cfg["mp_sparsity"], target_logical_device=target,
           warmup_steps=cfg["mp_warmup_steps"], warmup=cfg["mp_warmup"],
           name=f"dct_split_{point}", **split_kwargs)
@@ -976,7 +1016,7 @@ class Job:
       self._after_step(loss)
 
   def _run_fit(self):
-    """tf-keras `model.fit` in chunks that end at each evaluation point.
+    """Keras `model.fit` in chunks that end at each evaluation point.
 
     Evaluation and checkpoints run between the chunks, outside fit (fit runs
     its callbacks inside the strategy scope, where the models' evaluation
@@ -987,7 +1027,7 @@ class Job:
     cfg, job = self.cfg, self
     steps_per_epoch = cfg["log_every"]
 
-    class Progress(tf_keras.callbacks.Callback):
+    class Progress(keras.callbacks.Callback):
       """Per-batch loss (from Keras' running epoch mean), steps, stop at a target."""
 
       def __init__(self, stop_at):
@@ -1338,7 +1378,8 @@ def main(argv):
     verb = "evaluating the latest checkpoint of" if cfg["mode"] == "eval" else "training"
     print(f"{verb} {cfg['model']} ({cfg['config']}): {cfg['steps']} steps, global batch "
           f"{cfg['batch_size']}, --replicator={cfg['replicator']}, "
-          f"--compression={cfg['compression']}; building the model ...", flush=True)
+          f"--compression={cfg['compression']}, {'tf-keras' if LEGACY else 'Keras 3'}; "
+          "building the model ...", flush=True)
     train(cfg)
   except (FlagError, TrainingDiverged, DataError, FileNotFoundError) as e:
     # One line naming the flag or path:line, no traceback.

@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 import tensorflow as tf
-import tf_keras
+from models.flavour import keras
 
 from models.data import text
 
@@ -76,26 +76,26 @@ def load_data(data_dir: str | None = None, seed: int = 0, min_count: int = 1) ->
 
 def lstm_lm(vocab_size: int, embedding_dim: int = 650, hidden_dim: int = 650,
             num_layers: int = 2, dropout: float = 0.5, seq_len: int | None = None,
-            name: str = "lstm_lm") -> tf_keras.Model:
+            name: str = "lstm_lm") -> keras.Model:
   """Token ids [batch, time] -> next-word logits [batch, time, vocab_size]."""
-  ids = tf_keras.Input((seq_len,), dtype=tf.int32, name="tokens")
-  x = tf_keras.layers.Embedding(vocab_size, embedding_dim, name="embedding")(ids)
-  x = tf_keras.layers.Dropout(dropout)(x)
+  ids = keras.Input((seq_len,), dtype=tf.int32, name="tokens")
+  x = keras.layers.Embedding(vocab_size, embedding_dim, name="embedding")(ids)
+  x = keras.layers.Dropout(dropout)(x)
   for i in range(num_layers):
-    x = tf_keras.layers.LSTM(hidden_dim, return_sequences=True, name=f"lstm_{i}")(x)
-    x = tf_keras.layers.Dropout(dropout)(x)
-  logits = tf_keras.layers.Dense(vocab_size, name="logits")(x)
-  return tf_keras.Model(ids, logits, name=name)
+    x = keras.layers.LSTM(hidden_dim, return_sequences=True, name=f"lstm_{i}")(x)
+    x = keras.layers.Dropout(dropout)(x)
+  logits = keras.layers.Dense(vocab_size, name="logits")(x)
+  return keras.Model(ids, logits, name=name)
 
 
 def build_model(seed: int = 0, data_dir: str | None = None, min_count: int = 1,
-                **config) -> tf_keras.Model:
+                **config) -> keras.Model:
   """The LM sized to the vocabulary of `data_dir` (or the synthetic text).
 
   `config` overrides `lstm_lm` arguments (`DEFAULT_CONFIG` otherwise).
   """
   vocab_size = len(load_data(data_dir or None, seed, min_count).vocab)
-  tf_keras.utils.set_random_seed(seed)
+  keras.utils.set_random_seed(seed)
   return lstm_lm(vocab_size, **{**DEFAULT_CONFIG, **config})
 
 
@@ -123,7 +123,7 @@ def loss(targets: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
       tf.cast(targets, tf.int32), logits), axis=-1)
 
 
-def evaluate(model: tf_keras.Model, batch_size: int = 64, seed: int = 0,
+def evaluate(model: keras.Model, batch_size: int = 64, seed: int = 0,
              data_dir: str | None = None, split: str = "test",
              seq_len: int = SEQ_LEN, min_count: int = 1) -> dict[str, float]:
   """Perplexity and mean token cross-entropy on `split`."""

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
-import tf_keras
+from models.flavour import keras
 
 NUM_FEATURES = 16
 
 
-def build_model(hidden: tuple[int, ...] = (64, 32), seed: int = 0) -> tf_keras.Model:
+def build_model(hidden: tuple[int, ...] = (64, 32), seed: int = 0) -> keras.Model:
   """The student: ReLU MLP with one linear output."""
-  tf_keras.utils.set_random_seed(seed)
-  layers = [tf_keras.Input((NUM_FEATURES,))]
-  layers += [tf_keras.layers.Dense(n, activation="relu") for n in hidden]
-  layers.append(tf_keras.layers.Dense(1))
-  return tf_keras.Sequential(layers, name="mlp")
+  keras.utils.set_random_seed(seed)
+  layers = [keras.Input((NUM_FEATURES,))]
+  layers += [keras.layers.Dense(n, activation="relu") for n in hidden]
+  layers.append(keras.layers.Dense(1))
+  return keras.Sequential(layers, name="mlp")
 
 
 def make_dataset(batch_size: int, seed: int = 0, noise: float = 0.05) -> tf.data.Dataset:

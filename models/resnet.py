@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
-import tf_keras
+from models.flavour import keras
 
 from models.data import cifar
 
@@ -24,13 +24,13 @@ TINY_CONFIG = {"widths": (4, 8, 8, 16), "blocks_per_stage": 1}
 SYNTHETIC_TEST_EXAMPLES = 1024
 
 
-def _conv(filters: int, kernel: int, stride: int, name: str) -> tf_keras.layers.Conv2D:
-  return tf_keras.layers.Conv2D(filters, kernel, stride, padding="same", use_bias=False,
+def _conv(filters: int, kernel: int, stride: int, name: str) -> keras.layers.Conv2D:
+  return keras.layers.Conv2D(filters, kernel, stride, padding="same", use_bias=False,
                                 kernel_initializer="he_normal", name=name)
 
 
-def _bn(name: str) -> tf_keras.layers.BatchNormalization:
-  return tf_keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
+def _bn(name: str) -> keras.layers.BatchNormalization:
+  return keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
 
 
 def _basic_block(x: tf.Tensor, filters: int, stride: int, name: str) -> tf.Tensor:
@@ -38,16 +38,16 @@ def _basic_block(x: tf.Tensor, filters: int, stride: int, name: str) -> tf.Tenso
   shortcut = x
   if stride != 1 or x.shape[-1] != filters:
     shortcut = _bn(f"{name}_short_bn")(_conv(filters, 1, stride, f"{name}_short_conv")(x))
-  y = tf_keras.layers.ReLU(name=f"{name}_relu1")(
+  y = keras.layers.ReLU(name=f"{name}_relu1")(
       _bn(f"{name}_bn1")(_conv(filters, 3, stride, f"{name}_conv1")(x)))
   y = _bn(f"{name}_bn2")(_conv(filters, 3, 1, f"{name}_conv2")(y))
-  return tf_keras.layers.ReLU(name=f"{name}_out")(tf_keras.layers.Add(name=f"{name}_add")(
+  return keras.layers.ReLU(name=f"{name}_out")(keras.layers.Add(name=f"{name}_add")(
       [shortcut, y]))
 
 
 def resnet(widths: Sequence[int] = (64, 128, 256, 512), blocks_per_stage: int = 2,
            num_classes: int = cifar.NUM_CLASSES, weight_decay: float = 0.0,
-           name: str = "resnet18") -> tf_keras.Model:
+           name: str = "resnet18") -> keras.Model:
   """CIFAR ResNet: 3x3 stem, len(widths) stages of BasicBlocks, linear head (logits).
 
   Args:
@@ -57,30 +57,30 @@ def resnet(widths: Sequence[int] = (64, 128, 256, 512), blocks_per_stage: int = 
     weight_decay: L2 factor on conv/dense kernels, added as model losses.
     name: Model name.
   """
-  inputs = tf_keras.Input(cifar.IMAGE_SHAPE, name="image")
-  x = tf_keras.layers.ReLU(name="stem_relu")(_bn("stem_bn")(_conv(widths[0], 3, 1, "stem_conv")(
+  inputs = keras.Input(cifar.IMAGE_SHAPE, name="image")
+  x = keras.layers.ReLU(name="stem_relu")(_bn("stem_bn")(_conv(widths[0], 3, 1, "stem_conv")(
       inputs)))
   for stage, width in enumerate(widths):
     for block in range(blocks_per_stage):
       stride = 2 if stage > 0 and block == 0 else 1
       x = _basic_block(x, width, stride, f"stage{stage}_block{block}")
-  x = tf_keras.layers.GlobalAveragePooling2D(name="pool")(x)
-  logits = tf_keras.layers.Dense(num_classes, name="logits")(x)
-  model = tf_keras.Model(inputs, logits, name=name)
+  x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+  logits = keras.layers.Dense(num_classes, name="logits")(x)
+  model = keras.Model(inputs, logits, name=name)
   if weight_decay:
     for layer in model.layers:
-      if isinstance(layer, (tf_keras.layers.Conv2D, tf_keras.layers.Dense)):
+      if isinstance(layer, (keras.layers.Conv2D, keras.layers.Dense)):
         model.add_loss(lambda k=layer.kernel: weight_decay * tf.nn.l2_loss(k))
   return model
 
 
-def build_model(seed: int = 0, data_dir: str | None = None, **config) -> tf_keras.Model:
+def build_model(seed: int = 0, data_dir: str | None = None, **config) -> keras.Model:
   """ResNet-18 for CIFAR-10; `config` overrides `resnet` arguments.
 
   `data_dir` is accepted for a uniform signature (the class count is fixed).
   """
   del data_dir
-  tf_keras.utils.set_random_seed(seed)
+  keras.utils.set_random_seed(seed)
   return resnet(**{**DEFAULT_CONFIG, **config})
 
 
@@ -114,7 +114,7 @@ def loss(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
   return tf.nn.sparse_softmax_cross_entropy_with_logits(tf.cast(labels, tf.int32), logits)
 
 
-def evaluate(model: tf_keras.Model, batch_size: int = 256, seed: int = 0,
+def evaluate(model: keras.Model, batch_size: int = 256, seed: int = 0,
              data_dir: str | None = None) -> dict[str, float]:
   """Test-split accuracy and mean loss."""
   correct = total = loss_sum = 0.0

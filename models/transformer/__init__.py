@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 import tensorflow as tf
-import tf_keras
+from models.flavour import keras
 
 from models.data import text
 from models.data import tokenizer as tokenizers
@@ -129,13 +129,13 @@ def _data(data_dir, seed, tokenizer, max_len, vocab_size=8000) -> TranslationDat
 
 
 def build_model(seed: int = 0, data_dir: str | None = None, split_fn: SplitFn | None = None,
-                tokenizer: str = "wordpiece", max_len: int = 64, **config) -> tf_keras.Model:
+                tokenizer: str = "wordpiece", max_len: int = 64, **config) -> keras.Model:
   """The Transformer sized to the tokenizer of `data_dir` (or the synthetic task).
 
   `config` overrides `transformer` arguments (`DEFAULT_CONFIG` otherwise).
   """
   vocab_size = _data(data_dir, seed, tokenizer, max_len).tokenizer.vocab_size
-  tf_keras.utils.set_random_seed(seed)
+  keras.utils.set_random_seed(seed)
   return transformer(vocab_size, split_fn=split_fn, **{**DEFAULT_CONFIG, **config})
 
 
@@ -165,7 +165,7 @@ def loss(targets: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
   return tf.reduce_sum(token_loss * mask, -1) / tf.maximum(tf.reduce_sum(mask, -1), 1.0)
 
 
-def evaluate(model: tf_keras.Model, batch_size: int = 64, seed: int = 0,
+def evaluate(model: keras.Model, batch_size: int = 64, seed: int = 0,
              data_dir: str | None = None, split: str = "test", tokenizer: str = "wordpiece",
              max_len: int = 64, max_examples: int | None = None) -> dict[str, float]:
   """Corpus BLEU (0-100) of greedy decodes, and teacher-forced loss, on `split`.

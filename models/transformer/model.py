@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
-import tf_keras
+from models.flavour import keras
 
 from models.data.tokenizer import END_ID, PAD_ID, START_ID
 
-SplitFn = Callable[[str], "tf_keras.layers.Layer | None"]
+SplitFn = Callable[[str], "keras.layers.Layer | None"]
 
 
 def split_points(num_encoder_layers: int, num_decoder_layers: int) -> list[str]:
@@ -38,13 +38,13 @@ def sinusoid_table(length: int, depth: int) -> np.ndarray:
   return angles.astype(np.float32)
 
 
-class TokenEmbedding(tf_keras.layers.Layer):
+class TokenEmbedding(keras.layers.Layer):
   """Token embedding scaled by sqrt(d_model) plus sinusoidal positions."""
 
   def __init__(self, vocab_size: int, d_model: int, max_positions: int = 1024, **kwargs):
     super().__init__(**kwargs)
     self.d_model = d_model
-    self.embedding = tf_keras.layers.Embedding(vocab_size, d_model)
+    self.embedding = keras.layers.Embedding(vocab_size, d_model)
     self.positions = tf.constant(sinusoid_table(max_positions, d_model))
 
   def call(self, ids: tf.Tensor) -> tf.Tensor:
@@ -52,16 +52,16 @@ class TokenEmbedding(tf_keras.layers.Layer):
     return x + self.positions[tf.newaxis, :tf.shape(ids)[1]]
 
 
-class FeedForward(tf_keras.layers.Layer):
+class FeedForward(keras.layers.Layer):
   """Dense(ffn_dim, ReLU) -> optional split layer -> Dense(d_model) -> dropout."""
 
   def __init__(self, d_model: int, ffn_dim: int, dropout: float,
-               split: tf_keras.layers.Layer | None = None, **kwargs):
+               split: keras.layers.Layer | None = None, **kwargs):
     super().__init__(**kwargs)
-    self.inner = tf_keras.layers.Dense(ffn_dim, activation="relu")
+    self.inner = keras.layers.Dense(ffn_dim, activation="relu")
     self.split = split
-    self.outer = tf_keras.layers.Dense(d_model)
-    self.dropout = tf_keras.layers.Dropout(dropout)
+    self.outer = keras.layers.Dense(d_model)
+    self.dropout = keras.layers.Dropout(dropout)
 
   def call(self, x: tf.Tensor, training: bool | None = None) -> tf.Tensor:
     h = self.inner(x)
@@ -70,18 +70,18 @@ class FeedForward(tf_keras.layers.Layer):
     return self.dropout(self.outer(h), training=training)
 
 
-class EncoderLayer(tf_keras.layers.Layer):
+class EncoderLayer(keras.layers.Layer):
   """Pre-LN self-attention and feed-forward, each with a residual."""
 
   def __init__(self, d_model: int, ffn_dim: int, num_heads: int, dropout: float,
-               split: tf_keras.layers.Layer | None = None, **kwargs):
+               split: keras.layers.Layer | None = None, **kwargs):
     super().__init__(**kwargs)
-    self.norm1 = tf_keras.layers.LayerNormalization(epsilon=1e-6)
-    self.attention = tf_keras.layers.MultiHeadAttention(num_heads, d_model // num_heads,
+    self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6)
+    self.attention = keras.layers.MultiHeadAttention(num_heads, d_model // num_heads,
                                                         dropout=dropout)
-    self.norm2 = tf_keras.layers.LayerNormalization(epsilon=1e-6)
+    self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6)
     self.ffn = FeedForward(d_model, ffn_dim, dropout, split)
-    self.dropout = tf_keras.layers.Dropout(dropout)
+    self.dropout = keras.layers.Dropout(dropout)
 
   def call(self, x: tf.Tensor, source_mask: tf.Tensor,
            training: bool | None = None) -> tf.Tensor:
@@ -92,21 +92,21 @@ class EncoderLayer(tf_keras.layers.Layer):
     return x + self.ffn(self.norm2(x), training=training)
 
 
-class DecoderLayer(tf_keras.layers.Layer):
+class DecoderLayer(keras.layers.Layer):
   """Pre-LN causal self-attention, cross-attention and feed-forward."""
 
   def __init__(self, d_model: int, ffn_dim: int, num_heads: int, dropout: float,
-               split: tf_keras.layers.Layer | None = None, **kwargs):
+               split: keras.layers.Layer | None = None, **kwargs):
     super().__init__(**kwargs)
-    self.norm1 = tf_keras.layers.LayerNormalization(epsilon=1e-6)
-    self.self_attention = tf_keras.layers.MultiHeadAttention(
+    self.norm1 = keras.layers.LayerNormalization(epsilon=1e-6)
+    self.self_attention = keras.layers.MultiHeadAttention(
         num_heads, d_model // num_heads, dropout=dropout)
-    self.norm2 = tf_keras.layers.LayerNormalization(epsilon=1e-6)
-    self.cross_attention = tf_keras.layers.MultiHeadAttention(
+    self.norm2 = keras.layers.LayerNormalization(epsilon=1e-6)
+    self.cross_attention = keras.layers.MultiHeadAttention(
         num_heads, d_model // num_heads, dropout=dropout)
-    self.norm3 = tf_keras.layers.LayerNormalization(epsilon=1e-6)
+    self.norm3 = keras.layers.LayerNormalization(epsilon=1e-6)
     self.ffn = FeedForward(d_model, ffn_dim, dropout, split)
-    self.dropout = tf_keras.layers.Dropout(dropout)
+    self.dropout = keras.layers.Dropout(dropout)
 
   def call(self, x: tf.Tensor, memory: tf.Tensor, source_mask: tf.Tensor,
            training: bool | None = None) -> tf.Tensor:
@@ -120,7 +120,7 @@ class DecoderLayer(tf_keras.layers.Layer):
     return x + self.ffn(self.norm3(x), training=training)
 
 
-class PaddingMask(tf_keras.layers.Layer):
+class PaddingMask(keras.layers.Layer):
   """True where an id is not padding, [batch, time]."""
 
   def call(self, ids: tf.Tensor) -> tf.Tensor:
@@ -136,7 +136,7 @@ def _key_mask(key_mask: tf.Tensor, query_length: tf.Tensor) -> tf.Tensor:
 def transformer(vocab_size: int, d_model: int = 512, ffn_dim: int = 1024, num_heads: int = 4,
                 num_encoder_layers: int = 6, num_decoder_layers: int = 6,
                 dropout: float = 0.1, split_fn: SplitFn | None = None,
-                name: str = "transformer") -> tf_keras.Model:
+                name: str = "transformer") -> keras.Model:
   """(source ids [b, s], target-in ids [b, t]) -> next-token logits [b, t, vocab_size].
 
   Args:
@@ -154,25 +154,25 @@ def transformer(vocab_size: int, d_model: int = 512, ffn_dim: int = 1024, num_he
   if d_model % num_heads:
     raise ValueError(f"num_heads ({num_heads}) must divide d_model ({d_model})")
   split = split_fn or (lambda point: None)
-  source = tf_keras.Input((None,), dtype=tf.int32, name="source")
-  target_in = tf_keras.Input((None,), dtype=tf.int32, name="target_in")
+  source = keras.Input((None,), dtype=tf.int32, name="source")
+  target_in = keras.Input((None,), dtype=tf.int32, name="target_in")
   source_mask = PaddingMask(name="source_mask")(source)
-  drop = tf_keras.layers.Dropout(dropout)
+  drop = keras.layers.Dropout(dropout)
   x = drop(TokenEmbedding(vocab_size, d_model, name="source_embedding")(source))
   for i in range(num_encoder_layers):
     x = EncoderLayer(d_model, ffn_dim, num_heads, dropout, split(f"encoder_ffn_{i}"),
                      name=f"encoder_{i}")(x, source_mask=source_mask)
-  memory = tf_keras.layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")(x)
+  memory = keras.layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")(x)
   y = drop(TokenEmbedding(vocab_size, d_model, name="target_embedding")(target_in))
   for i in range(num_decoder_layers):
     y = DecoderLayer(d_model, ffn_dim, num_heads, dropout, split(f"decoder_ffn_{i}"),
                      name=f"decoder_{i}")(y, memory=memory, source_mask=source_mask)
-  y = tf_keras.layers.LayerNormalization(epsilon=1e-6, name="decoder_norm")(y)
-  logits = tf_keras.layers.Dense(vocab_size, name="logits")(y)
-  return tf_keras.Model((source, target_in), logits, name=name)
+  y = keras.layers.LayerNormalization(epsilon=1e-6, name="decoder_norm")(y)
+  logits = keras.layers.Dense(vocab_size, name="logits")(y)
+  return keras.Model((source, target_in), logits, name=name)
 
 
-def greedy_decoder(model: tf_keras.Model, max_len: int) -> Callable[[tf.Tensor], tf.Tensor]:
+def greedy_decoder(model: keras.Model, max_len: int) -> Callable[[tf.Tensor], tf.Tensor]:
   """A compiled greedy decoder: source ids [b, s] -> output ids [b, max_len].
 
   Starts from START, feeds back the argmax token, stops when every row has

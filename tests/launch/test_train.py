@@ -489,17 +489,45 @@ class ProgressTest(tf.test.TestCase):
       self.assertEqual(os.environ["CUDA_VISIBLE_DEVICES"], "1")
 
   def test_launcher_prints_at_once_and_no_cuinit_line(self):
+    # Under Keras 3 (the in-process tests run tf-keras): --keras=3 overrides
+    # the TF_USE_LEGACY_KERAS=1 this process inherits.
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env["PYTHONPATH"] = REPO
     out = subprocess.run([sys.executable, "-m", "launch.train", "--model=mlp",
-                          "--config=local", "--compression=none", "--steps=2"],
+                          "--config=local", "--compression=none", "--steps=2",
+                          "--keras=3"],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
                          check=False)
     self.assertEqual(out.returncode, 0, out.stderr)
     self.assertEqual(out.stdout.splitlines()[0],
                      "training mlp (local): 2 steps, global batch 32, --replicator=cpu, "
-                     "--compression=none; building the model ...")
+                     "--compression=none, Keras 3; building the model ...")
     self.assertNotIn("cuInit", out.stderr)
+
+
+class KerasFlavourTest(tf.test.TestCase):
+
+  def test_keras_flag_sets_the_flavour_before_tensorflow(self):
+    for argv, env, want in (
+        (["--keras=3"], {"TF_USE_LEGACY_KERAS": "1"}, "0"),
+        (["--model=mlp", "--keras", "2"], {"TF_USE_LEGACY_KERAS": "0"}, "1"),
+        (["--keras=auto"], {"TF_USE_LEGACY_KERAS": "0"}, "0"),
+        ([], {}, "1")):  # default: tf-keras, which DLRM and NCF need
+      with mock.patch.dict(os.environ, env, clear=True):
+        train.select_keras(argv)
+        self.assertEqual(os.environ["TF_USE_LEGACY_KERAS"], want, argv)
+
+  def test_models_on_recommenders_refuse_keras3(self):
+    with mock.patch.object(train, "LEGACY", False):
+      for model in ("dlrm", "ncf"):
+        with self.assertRaisesRegex(
+            train.FlagError, rf"^--model={model} needs tf-keras .*; pass --keras=2$"):
+          _cfg(model=model)
+      self.assertEqual(_cfg(model="mlp")["model"], "mlp")
+      with self.assertRaisesRegex(
+          train.FlagError, r"^--loop=fit with --replicator=multi_worker needs "
+          r"tf-keras: .*keras#20585.*; use --loop=custom or --keras=2$"):
+        _cfg(model="mlp", loop="fit", replicator="multi_worker")
 
 
 class MultiWorkerScriptTest(tf.test.TestCase):

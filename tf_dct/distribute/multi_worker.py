@@ -406,6 +406,28 @@ class MultiWorkerReplicator(ReplicatorMixin,
   def is_chief(self) -> bool:
     return self.extended.should_checkpoint
 
+  def reduce(self, reduce_op, value, axis):
+    """`tf.distribute.Strategy.reduce` of one per-replica value.
+
+    TensorFlow's `MultiWorkerMirroredStrategy` cannot reduce a nested
+    structure of per-replica values; such a call raises a
+    `NotImplementedError` that says so, and what to use instead, since
+    Keras 3's `fit`, `evaluate` and `predict` make exactly this call.
+    """
+    flat = tf.nest.flatten(value)
+    if (len(flat) > 1 or (flat and flat[0] is not value)) and any(
+        isinstance(v, tf.distribute.DistributedValues) for v in flat):
+      raise NotImplementedError(
+          "MultiWorkerReplicator.reduce: value is a nested structure of "
+          "per-replica values, which TensorFlow's MultiWorkerMirroredStrategy "
+          "cannot reduce; reduce each value on its own. Keras 3's model.fit, "
+          "evaluate and predict make this call: they do not support "
+          "MultiWorkerMirroredStrategy (upstream keras#20585). Train with a "
+          "custom loop (repl.run(step_fn, input_fn)), which works with Keras "
+          "3, or with tf-keras model.fit (TF_USE_LEGACY_KERAS=1 before "
+          "TensorFlow is imported)")
+    return super().reduce(reduce_op, value, axis)
+
   # --- peer failures -----------------------------------------------------------
 
   def run(self, fn, args=(), kwargs=None, options=None, *, input_fn=None):

@@ -263,6 +263,22 @@ def _resolve_adam(optimizer, compressor: Compressor) -> None:
         owner, name)
 
 
+def check_optimizer(optimizer) -> None:
+  """Raises for an optimizer that only delegates to another one.
+
+  A `LossScaleOptimizer` (tf-keras or Keras 3) unscales the gradients and
+  hands them to its inner optimizer, which aggregates them: wrapping the
+  outer one would leave the aggregation uncompressed (tf-keras) or fail at
+  the first step (Keras 3). The inner optimizer is the one to wrap.
+  """
+  if any(c.__name__.startswith("LossScaleOptimizer")  # tf-keras: ...V3
+         for c in type(optimizer).__mro__):
+    raise TypeError(
+        "optimizer is a LossScaleOptimizer, which hands its gradients to its "
+        "inner optimizer; wrap the inner one and put the LossScaleOptimizer "
+        "around it: LossScaleOptimizer(repl.wrap_optimizer(SGD(...)))")
+
+
 def check_compression(compressor, replicator) -> None:
   """Raises unless `compressor` can serve one more optimizer of `replicator`.
 
@@ -304,6 +320,7 @@ def wrap_optimizer(optimizer, replicator, compression: Compressor | None = None)
     The same optimizer object, now aggregating through `compression`.
   """
   from tf_dct.compression import Dense  # pylint: disable=g-import-not-at-top
+  check_optimizer(optimizer)
   compressor = Dense() if compression is None else compression
   check_compression(compressor, replicator)
   if is_wrapped(optimizer):
