@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import pathlib
-import sys
 
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "distribute"))
-import flavour_script as fs  # pylint: disable=g-import-not-at-top,wrong-import-position
-import multi_worker_util  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-from tests import conservation  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tests.dct_mp import reference  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests import conservation
+from tests import flavour_script as fs
+from tests.dct_mp import reference
+from tests.distribute import multi_worker_util
 
 SCRIPT = pathlib.Path(fs.__file__).resolve()
 TIMEOUT = 400.0

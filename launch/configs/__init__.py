@@ -88,6 +88,10 @@ def base(model: str, preset_name: str) -> ml_collections.ConfigDict:
   config.model_name = model
   config.preset = preset_name
   for name, value in LAUNCHER_DEFAULTS.items():
+    # A placeholder is a shared reference: each config needs its own, or
+    # setting the field in one config would set it in every config built.
+    if isinstance(value, config_dict.FieldReference):
+      value = config_dict.placeholder(value.get_type())
     config[name] = value
   for name in registry.COMMON_DEFAULTS:
     config[name] = settings[name]

@@ -180,6 +180,17 @@ class PresetTest(tf.test.TestCase):
                          settings["learning_rate"])
 
 
+class PlaceholderTest(tf.test.TestCase):
+
+  def test_configs_do_not_share_their_unset_fields(self):
+    first, second = configs.get("mlp", "local"), configs.get("mlp", "local")
+    first.summary_every, first.min_count, first.tpu = 40, 8, "grpc://x"
+    self.assertIsNone(second.summary_every)
+    self.assertIsNone(second.min_count)
+    self.assertIsNone(second.tpu)
+    self.assertIsNone(configs.get("ncf").summary_every)
+
+
 class SavedConfigTest(tf.test.TestCase):
   """One MLP directory: trained, evaluated, trained on without evaluating."""
 
