@@ -643,6 +643,8 @@ STATE_SETTINGS = {
     "momentum_correction": None, "adam_correction": None,
     # The accounting keeps totals per phase (dense warm-up, schedule stages).
     "warmup_steps": lambda n: n > 0, "sparsity_schedule": len,
+    # tf-keras and Keras 3 name and lay out the variables differently.
+    "keras": None,
 }
 
 
@@ -657,7 +659,7 @@ def state_settings(cfg: dict) -> dict:
       compression_exclude=list(cfg.get("compression_exclude") or ()),
       sparsity_schedule=[f"{n}:{x}" for n, x in cfg.get("sparsity_schedule") or ()],
       momentum_correction=bool(cfg.get("momentum_correction", True)),
-      adam_correction=adam_correction(cfg), workers=None)
+      adam_correction=adam_correction(cfg), workers=None, keras="2" if LEGACY else "3")
   if cfg["replicator"] == "multi_worker":
     try:
       cluster = (tf_dct.distribute.multi_worker.validate_tf_config() or {}).get("cluster", {})

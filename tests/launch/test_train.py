@@ -7,6 +7,7 @@ every run does double duty: each model runs once, each with a different
 
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -68,6 +69,13 @@ class TrainTest(tf.test.TestCase):
       train.Job(_cfg(**dict(cfg, num_replicas=2, optimizer="adam", compression="dct",
                             compression_exclude=["bias"]))).setup()
     settings = os.path.join(model_dir, "settings.json")
+    with open(settings, encoding="utf-8") as f:
+      saved = json.load(f)
+    self.assertEqual(saved["keras"], "2")
+    with open(settings, "w", encoding="utf-8") as f:
+      json.dump(dict(saved, keras="3"), f)  # as a Keras 3 run records it
+    with self.assertRaisesRegex(train.FlagError, r"\(--keras '3' -> '2'\)"):
+      train.Job(_cfg(**cfg)).setup()
     with open(settings, "w", encoding="utf-8") as f:
       f.write("{")
     with self.assertRaisesRegex(train.FlagError, "settings.json is not a JSON object"):
