@@ -69,24 +69,6 @@ def compressors(compression) -> dict:
   }
 
 
-def _to_json(value):
-  if isinstance(value, dict):
-    return {str(k): _to_json(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_to_json(v) for v in value]
-  if hasattr(value, "numpy"):
-    value = value.numpy()
-  if isinstance(value, np.ndarray):
-    if value.dtype.kind == "b":
-      return value.astype(bool).tolist()
-    if value.dtype.kind in "iu":
-      return value.astype(np.int64).tolist()
-    return value.astype(np.float64).tolist()
-  if isinstance(value, np.generic):
-    return value.item()
-  return value
-
-
 def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "distribute"))
   import multi_worker_util  # pylint: disable=g-import-not-at-top
@@ -126,7 +108,7 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
         return fn
       t, cpu = time.monotonic(), time.process_time()
       try:
-        out["sections"][name] = _to_json(fn())
+        out["sections"][name] = multi_worker_util.to_json(fn())
       except Exception:  # pylint: disable=broad-except
         out["errors"][name] = traceback.format_exc()
         print(f"section {name} failed:\n{out['errors'][name]}", file=sys.stderr,
@@ -137,7 +119,7 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
     return decorator
 
   def local(value):
-    return [_to_json(v) for v in repl.experimental_local_results(value)]
+    return [multi_worker_util.to_json(v) for v in repl.experimental_local_results(value)]
 
   def linear_model():
     return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(

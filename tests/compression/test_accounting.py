@@ -1,6 +1,5 @@
 """Tests for the communication accounting of compressors (exact byte model)."""
 
-import glob
 
 from absl.testing import parameterized
 import numpy as np
@@ -58,18 +57,6 @@ def _run(compressor, grads, shapes, replicas, logdir=None, step=None):
   if writer:
     writer.flush()
   return outs
-
-
-def _events(logdir):
-  """{tag: [(step, value)]} of every scalar written under `logdir`."""
-  out = {}
-  for path in glob.glob(f"{logdir}/events.out.tfevents.*"):
-    for raw in tf.data.TFRecordDataset(path):
-      event = tf.compat.v1.Event.FromString(raw.numpy())
-      for v in event.summary.value:
-        value = tf.make_ndarray(v.tensor).item()
-        out.setdefault(v.tag, []).append((event.step, value))
-  return out
 
 
 def _upstream(op):
@@ -157,7 +144,7 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(stats["variables"]["w1"]["last"]["density"], [1.0, 1.0])
     self.assertTrue(all(s >= 0 for s in total["selection_seconds"]))
     # Summaries from local replica 0, at the default summary step.
-    events = _events(logdir)
+    events = util.events(logdir)
     self.assertEqual(events["tf_dct/bytes_sent"], [(1, sent), (2, sent)])
     self.assertEqual(events["tf_dct/total_bytes_sent"], [(1, sent), (2, 2 * sent)])
     self.assertEqual([s for s, _ in events["tf_dct/compression_ratio"]], [1, 2])

@@ -87,20 +87,6 @@ def optimum_loss() -> float:
   return full_loss(x, y, sol[:-1], sol[-1])
 
 
-def _to_json(value):
-  if isinstance(value, dict):
-    return {str(k): _to_json(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_to_json(v) for v in value]
-  if hasattr(value, "numpy"):
-    value = value.numpy()
-  if isinstance(value, np.ndarray):
-    return value.astype(np.float64).tolist() if value.dtype.kind == "f" else value.tolist()
-  if isinstance(value, np.generic):
-    return value.item()
-  return value
-
-
 def main() -> None:
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
   import multi_worker_util  # pylint: disable=g-import-not-at-top
@@ -131,7 +117,7 @@ def main() -> None:
     def decorator(fn):
       t = time.monotonic()
       try:
-        out["sections"][name] = _to_json(fn())
+        out["sections"][name] = multi_worker_util.to_json(fn())
       except Exception:  # pylint: disable=broad-except
         out["errors"][name] = traceback.format_exc()
         print(f"[chief] section {name} failed:\n{out['errors'][name]}",

@@ -132,25 +132,6 @@ def worker_train_batch(worker: int, step: int):
 # --- the worker program -----------------------------------------------------------
 
 
-def _to_json(value):
-  """Nested tensors / numpy / python values -> JSON-friendly lists and floats."""
-  if isinstance(value, dict):
-    return {str(k): _to_json(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_to_json(v) for v in value]
-  if hasattr(value, "numpy"):
-    value = value.numpy()
-  if isinstance(value, np.ndarray):
-    if value.dtype.kind == "b":
-      return value.astype(bool).tolist()
-    if value.dtype.kind in "iu":
-      return value.astype(np.int64).tolist()
-    return value.astype(np.float64).tolist()
-  if isinstance(value, np.generic):
-    return value.item()
-  return value
-
-
 def main() -> None:
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
   import multi_worker_util  # pylint: disable=g-import-not-at-top
@@ -177,7 +158,7 @@ def main() -> None:
     def decorator(fn):
       t = time.monotonic()
       try:
-        out["sections"][name] = _to_json(fn())
+        out["sections"][name] = multi_worker_util.to_json(fn())
       except Exception:  # pylint: disable=broad-except
         out["errors"][name] = traceback.format_exc()
         print(f"[worker {index}] section {name} failed:\n{out['errors'][name]}",
@@ -188,7 +169,7 @@ def main() -> None:
     return decorator
 
   def local(value):
-    return [_to_json(v) for v in repl.experimental_local_results(value)]
+    return [multi_worker_util.to_json(v) for v in repl.experimental_local_results(value)]
 
   def static_replica_id():
     ctx = tf.distribute.get_replica_context()
@@ -468,7 +449,7 @@ def main() -> None:
       return {"replica_id": ctx.replica_id_in_sync_group, "x": x,
               "sum": ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)}
 
-    steps = [[_to_json(v) for v in repl2.experimental_local_results(
+    steps = [[multi_worker_util.to_json(v) for v in repl2.experimental_local_results(
         repl2.run(step_fn, input_fn))] for _ in range(STEPS)]
     return {"input_fn_ids": ids, "steps": steps,
             "first_local_replica_id": repl2.first_local_replica_id}

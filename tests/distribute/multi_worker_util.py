@@ -51,6 +51,8 @@ import tempfile
 import time
 from typing import Mapping, Sequence
 
+import numpy as np
+
 # tests/distribute/multi_worker_util.py -> the repository root (which holds tf_dct/).
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
@@ -77,6 +79,26 @@ def tf_config(cluster: Mapping[str, Sequence[str]], index: int,
 
 
 # --- worker side -------------------------------------------------------------
+
+
+def to_json(value):
+  """Nested tensors / numpy / Python values -> JSON-friendly lists and numbers
+  (what a worker's `write_result` may hold)."""
+  if isinstance(value, dict):
+    return {str(k): to_json(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_json(v) for v in value]
+  if hasattr(value, "numpy"):
+    value = value.numpy()
+  if isinstance(value, np.ndarray):
+    if value.dtype.kind == "b":
+      return value.astype(bool).tolist()
+    if value.dtype.kind in "iu":
+      return value.astype(np.int64).tolist()
+    return value.astype(np.float64).tolist()
+  if isinstance(value, np.generic):
+    return value.item()
+  return value
 
 
 def result_path(result_dir, index: int, task_type: str = "worker"
