@@ -187,21 +187,30 @@ class TimedJob(train.Job):
     super()._after_step(loss, train_metrics, evaluate)
 
 
-def record_gradient_types(optimizer) -> dict[str, str]:
-  """{variable name: type of the gradient handed to the compressor}, filled when
-  the step is traced (e.g. the embedding table's: IndexedSlices or Tensor)."""
-  compressor = optimizer._tf_dct_compressor  # pylint: disable=protected-access
-  aggregate = compressor.aggregate
-  types: dict[str, str] = {}
+def recording(cls: type, types: dict[str, str]) -> type:
+  """`cls` (a `tf_dct.compression.Compressor` class) whose `aggregate` also
+  records {variable name: type of its gradient} into `types` when the step is
+  traced (e.g. the embedding table's: IndexedSlices or Tensor)."""
 
-  def recording_aggregate(grads_and_vars):
-    grads_and_vars = list(grads_and_vars)
-    for g, v in grads_and_vars:
-      types[v.name.split(":")[0]] = type(g).__name__
-    return aggregate(grads_and_vars)
+  class Recording(cls):
 
-  compressor.aggregate = recording_aggregate
-  return types
+    def aggregate(self, grads_and_vars):
+      grads_and_vars = list(grads_and_vars)
+      for g, v in grads_and_vars:
+        types[v.name.split(":")[0]] = type(g).__name__
+      return super().aggregate(grads_and_vars)
+
+  Recording.__name__ = f"Recording{cls.__name__}"
+  return Recording
+
+
+def make_compressor(config: str, cfg: dict, types: dict[str, str]):
+  """The compressor of bench config `config` (launcher settings `cfg`), as
+  the launcher builds it, recording gradient types into `types`: "dense"
+  uses the densifying Dense (see the module docstring)."""
+  cls = (DensifiedDense if config == "dense" else
+         getattr(tf_dct.compression, train.COMPRESSOR_CLASSES[cfg["compression"]]))
+  return train.make_compressor(cfg, cls=recording(cls, types))
 
 
 def main(argv=None) -> None:
@@ -211,12 +220,11 @@ def main(argv=None) -> None:
   tf.keras.utils.set_random_seed(args.seed)
   cfg = launcher_config(args)
   handshake = Handshake(args.handshake_dir, index, args.timeout)
-  # dense uses the densifying Dense (see the module docstring).
+  grad_types: dict[str, str] = {}
   job = TimedJob(cfg, handshake, args.warmup_steps,
-                 compressor=DensifiedDense() if args.config == "dense" else None)
+                 compressor=make_compressor(args.config, cfg, grad_types))
   job.setup()
   table = job.model.get_layer("embeddings").embeddings
-  grad_types = record_gradient_types(job.optimizer)
   summary = job.run()
   start, end = job.window["start"], job.window["end"]
   timed = args.steps - args.warmup_steps

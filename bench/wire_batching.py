@@ -3,18 +3,18 @@ r"""Exchange time of `sparse_wire.exchange_many`: short buffers batched or not.
 In one process on 4 logical CPU devices, each replica exchanges V packed
 buffers of `capacity` slots (vectors of n = 50 * capacity entries, random
 increasing positions, "auto" and "int32" index encodings). The same exchange
-is traced twice: with `sparse_wire.BATCH_CAPACITY` at its value (buffers of
-at most that many slots share one set of ops) and at 0 (every buffer on its
-own). Timed blocks alternate; the medians and their ratio are printed. Both
+is traced twice: with `exchange_many(batch_capacity=...)` at the library's
+`sparse_wire.BATCH_CAPACITY` (buffers of at most that many slots share one
+set of ops) and at 0 (every buffer on its own). Timed blocks alternate; the medians and their ratio are printed. Both
 sides return the same sums (checked bit for bit before timing).
 
 With `--mlp_layers=L` it also times whole training steps: an MLP of L
 hidden layers of `--mlp_width` units (2 L + 2 variables, every buffer short),
 4 replicas, SGD, global batch 256, DCTDP(0.99, threshold_life=1000,
 native=False) (the grouping is a stock-op path; the native kernel selects
-every variable in one op) traced three ways: with the wire's batching off
-(`BATCH_CAPACITY = 0`), with the selection's grouping of small variables
-off (`dct_dp_fast.FUSE_SIZE = 0`), and with both on, against Dense; interleaved
+every variable in one op) built three ways: with the wire's batching off
+(`DCTDP(batch_capacity=0)`), with the selection's grouping of small variables
+off (`DCTDP(fuse_size=0)`), and with both on, against Dense; interleaved
 blocks, medians. It also prints how long each side took to trace and run
 its first step.
 
@@ -89,7 +89,6 @@ import numpy as np  # pylint: disable=wrong-import-position
 import tensorflow as tf  # pylint: disable=wrong-import-position
 
 import tf_dct  # pylint: disable=wrong-import-position
-from tf_dct.compression import dct_dp_fast  # pylint: disable=wrong-import-position
 from tf_dct.compression import sparse_wire  # pylint: disable=wrong-import-position
 
 
@@ -97,28 +96,24 @@ REPLICAS = 4
 
 
 def exchange_fn(repl, data, n, encoding, batch_capacity):
-  """A traced exchange of `data[replica]` with `BATCH_CAPACITY` set as given."""
+  """A traced exchange of `data[replica]` batching buffers of at most
+  `batch_capacity` slots."""
 
   def fn():
     ctx = tf.distribute.get_replica_context()
     mine = data[tf.get_static_value(ctx.replica_id_in_sync_group)]
     bufs = [(tf.constant(i), tf.constant(v), n) for i, v in mine]
     return sparse_wire.exchange_many(ctx, bufs, encoding=encoding,
-                                     presorted=True)
+                                     presorted=True,
+                                     batch_capacity=batch_capacity)
 
   step = tf.function(lambda: repl.run(fn))
-  saved = sparse_wire.BATCH_CAPACITY
-  sparse_wire.BATCH_CAPACITY = batch_capacity
-  try:
-    step.get_concrete_function()  # traced with this setting
-  finally:
-    sparse_wire.BATCH_CAPACITY = saved
+  step.get_concrete_function()  # traced before timing
   return step
 
 
-def mlp_step(repl, compressor, layers, width, data, batch_capacity,
-             fuse_size=None):
-  """One training step of a fresh MLP under `compressor`, traced as given.
+def mlp_step(repl, compressor, layers, width, data):
+  """One training step of a fresh MLP under `compressor`, traced.
 
   Returns the step and the seconds its trace and first call took.
   """
@@ -144,14 +139,8 @@ def mlp_step(repl, compressor, layers, width, data, batch_capacity,
     del ctx
     return tf.data.Dataset.from_tensor_slices(data).repeat().batch(256)
 
-  saved = sparse_wire.BATCH_CAPACITY, dct_dp_fast.FUSE_SIZE
-  sparse_wire.BATCH_CAPACITY = batch_capacity
-  dct_dp_fast.FUSE_SIZE = saved[1] if fuse_size is None else fuse_size
   start = time.perf_counter()
-  try:
-    repl.run(step_fn, input_fn)  # traced with these settings
-  finally:
-    sparse_wire.BATCH_CAPACITY, dct_dp_fast.FUSE_SIZE = saved
+  repl.run(step_fn, input_fn)  # traced
   return (lambda: repl.run(step_fn, input_fn)), time.perf_counter() - start
 
 
@@ -204,15 +193,17 @@ def main(argv):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4096, width)).astype(np.float32)
     data = (x, (x[:, :1] > 0).astype(np.float32))
-    dctdp = lambda: compression.DCTDP(0.99, threshold_life=1000, native=False)
+    dctdp = lambda **kw: compression.DCTDP(0.99, threshold_life=1000,
+                                           native=False, **kw)
     built = {
-        "Dense": mlp_step(repl, compression.Dense(), layers, width, data,
-                          sparse_wire.BATCH_CAPACITY),
-        "DCTDP, wire one by one": mlp_step(repl, dctdp(), layers, width, data,
-                                           0),
-        "DCTDP, selection one by one": mlp_step(repl, dctdp(), layers, width,
-                                                data, batched, fuse_size=0),
-        "DCTDP batched": mlp_step(repl, dctdp(), layers, width, data, batched)}
+        "Dense": mlp_step(repl, compression.Dense(), layers, width, data),
+        "DCTDP, wire one by one": mlp_step(
+            repl, dctdp(batch_capacity=0), layers, width, data),
+        "DCTDP, selection one by one": mlp_step(
+            repl, dctdp(batch_capacity=batched, fuse_size=0), layers, width,
+            data),
+        "DCTDP batched": mlp_step(repl, dctdp(batch_capacity=batched), layers,
+                                  width, data)}
     sides = {k: f for k, (f, _) in built.items()}
     for f in sides.values():  # warm up
       for _ in range(10):

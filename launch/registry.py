@@ -69,10 +69,11 @@ class ModelSpec:
       (so the launcher can place the layers after them on another device).
     takes_data_dir: whether real data can be read from --data_dir.
     fit_metrics: metrics for `model.compile` in --loop=fit.
-    checkpoint_input: the training dataset's iterator can be checkpointed
-      (no Python generator, no shuffle buffer holding the whole data set), so
-      the custom loop saves its position instead of skipping batches on a
-      resume.
+    checkpoint_input: the custom loop checkpoints the training dataset's
+      iterator and restores its position on a resume (what DLRM's real
+      Criteo files, a stream that cannot start anywhere, need); otherwise,
+      and in `--loop=fit`, a resume starts the stream at the step
+      (`dataset(cfg, start)`).
   """
 
   name: str
@@ -111,9 +112,16 @@ class ModelSpec:
     """The tf-keras model; `split_fn(point)` may return a layer (has_splits)."""
     return self.build_fn(self, cfg, split_fn)
 
-  def dataset(self, cfg: dict) -> tf.data.Dataset:
-    """Endless global batches `(inputs, targets)` of the training split."""
-    return self.dataset_fn(self, cfg)
+  def dataset(self, cfg: dict, start: int = 0) -> tf.data.Dataset:
+    """Endless global batches `(inputs, targets)` of the training split, from
+    batch `start` on.
+
+    Every model's synthetic stream, and the real data of all but DLRM, is
+    a function of the batch index (`models.data.order`), so the stream from
+    `start` is made directly; real Criteo files are a text stream, whose
+    first `start` batches are read and dropped.
+    """
+    return self.dataset_fn(self, cfg, start)
 
   def loss(self, targets, outputs):
     """Per-example loss, shape [batch]."""
@@ -145,8 +153,8 @@ def _mlp_build(spec, cfg, split_fn):
   return spec.load().build_model(seed=cfg["seed"], **spec.kwargs(cfg))
 
 
-def _mlp_dataset(spec, cfg):
-  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"])
+def _mlp_dataset(spec, cfg, start):
+  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], start=start)
 
 
 def _mse(spec, targets, outputs):
@@ -172,10 +180,14 @@ def _dlrm_build(spec, cfg, split_fn):
                                  split_fn=split_fn, **spec.kwargs(cfg))
 
 
-def _dlrm_dataset(spec, cfg):
+def _dlrm_dataset(spec, cfg, start):
   vocab = spec.kwargs(cfg).get("vocab_sizes")
-  return _repeat(spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"],
-                                          data_dir=_data_dir(cfg), vocab_sizes=vocab), cfg)
+  if not cfg["data_dir"]:
+    return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], vocab_sizes=vocab,
+                                    start=start)
+  ds = _repeat(spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"],
+                                        data_dir=_data_dir(cfg), vocab_sizes=vocab), cfg)
+  return ds.skip(start) if start else ds
 
 
 def _dlrm_evaluate(spec, model, cfg):
@@ -207,8 +219,9 @@ def _ncf_build(spec, cfg, split_fn):
   return spec.load().build_model(seed=cfg["seed"], data_dir=_data_dir(cfg), **spec.kwargs(cfg))
 
 
-def _ncf_dataset(spec, cfg):
-  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], data_dir=_data_dir(cfg))
+def _ncf_dataset(spec, cfg, start):
+  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], data_dir=_data_dir(cfg),
+                                  start=start)
 
 
 def _ncf_evaluate(spec, model, cfg):
@@ -231,9 +244,9 @@ def _tr_build(spec, cfg, split_fn):
                                  **_tr_data(cfg), **spec.kwargs(cfg))
 
 
-def _tr_dataset(spec, cfg):
+def _tr_dataset(spec, cfg, start):
   return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"],
-                                  data_dir=_data_dir(cfg), **_tr_data(cfg))
+                                  data_dir=_data_dir(cfg), start=start, **_tr_data(cfg))
 
 
 def _tr_evaluate(spec, model, cfg):
@@ -255,8 +268,9 @@ def _resnet_build(spec, cfg, split_fn):
   return spec.load().build_model(seed=cfg["seed"], data_dir=_data_dir(cfg), **spec.kwargs(cfg))
 
 
-def _resnet_dataset(spec, cfg):
-  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], data_dir=_data_dir(cfg))
+def _resnet_dataset(spec, cfg, start):
+  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], data_dir=_data_dir(cfg),
+                                  start=start)
 
 
 def _resnet_loss(spec, targets, outputs):
@@ -274,9 +288,9 @@ def _lstm_build(spec, cfg, split_fn):
   return spec.load().build_model(seed=cfg["seed"], data_dir=_data_dir(cfg), **spec.kwargs(cfg))
 
 
-def _lstm_dataset(spec, cfg):
+def _lstm_dataset(spec, cfg, start):
   return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], data_dir=_data_dir(cfg),
-                                  seq_len=cfg["data"]["seq_len"])
+                                  seq_len=cfg["data"]["seq_len"], start=start)
 
 
 def _lstm_evaluate(spec, model, cfg):

@@ -53,27 +53,85 @@ def select_keras(argv: list[str]) -> None:
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 
+# Replicators that use no GPU: their runs hide the GPUs from TensorFlow.
+NO_GPU_REPLICATORS = ("cpu", "tpu")
+# What a CUDA build of TensorFlow logs while it loads on a machine without a
+# GPU: the C++ logging writes it before it is initialised, so
+# TF_CPP_MIN_LOG_LEVEL does not hold it back (tensorflow#100442).
+IMPORT_NOISE = (b"cudart_stub.cc",)
+# The notice that precedes such a line (dropped with it, not on its own).
+ABSL_PREAMBLE = b"All log messages before absl::InitializeLog() is called"
+
+
+def uses_no_gpu(argv: list[str]) -> bool:
+  """Whether the run `argv` describes uses no GPU: its --replicator (read
+  before absl parses the flags, as `select_keras` does) is cpu (the default)
+  or tpu."""
+  kind = "cpu"
+  for i, arg in enumerate(argv):
+    if arg.startswith("--replicator="):
+      kind = arg.split("=", 1)[1]
+    elif arg == "--replicator" and i + 1 < len(argv):
+      kind = argv[i + 1]
+  return kind in NO_GPU_REPLICATORS
+
+
+def dropped_lines(lines: list[bytes], markers: tuple[bytes, ...]) -> list[bytes]:
+  """`lines` without those holding one of `markers`, and without an absl
+  logging notice directly followed by such a line."""
+  hit = [any(m in line for m in markers) for line in lines]
+  return [line for i, line in enumerate(lines)
+          if not hit[i] and not (ABSL_PREAMBLE in line and i + 1 < len(lines) and hit[i + 1])]
+
+
+@contextlib.contextmanager
+def without_stderr_lines(markers: tuple[bytes, ...]):
+  """Passes on what is written to file descriptor 2 inside, but for the lines
+  `dropped_lines` drops (TensorFlow's C++ logging writes to the descriptor,
+  not to sys.stderr)."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      kept = dropped_lines(captured.read().splitlines(keepends=True), markers)
+      if kept:
+        os.write(2, b"".join(kept))
+
+
 select_keras(sys.argv[1:])
+# On a run without GPUs, TensorFlow loads without the lines saying so, unless
+# the user asked for TensorFlow's logging (TF_CPP_MIN_LOG_LEVEL set).
+_QUIET_IMPORT = "TF_CPP_MIN_LOG_LEVEL" not in os.environ and uses_no_gpu(sys.argv[1:])
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import flags
-from absl import logging
-import ml_collections
-from ml_collections import config_flags
-import numpy as np
-import tensorflow as tf
+with (without_stderr_lines(IMPORT_NOISE) if _QUIET_IMPORT else contextlib.nullcontext()):
+  # pylint: disable=g-import-not-at-top,wrong-import-position
+  from absl import app
+  from absl import flags
+  from absl import logging
+  import ml_collections
+  from ml_collections import config_flags
+  import numpy as np
+  import tensorflow as tf
 
-import tf_dct
-from tf_dct import keras as tf_dct_keras
-from tf_dct.keras import placement
-from launch import configs
-from launch import registry
-from launch import summaries
-from models.data.errors import DataError
-from models.data.errors import MALFORMED
-from models.flavour import LEGACY
-from models.flavour import keras
+  import tf_dct
+  from tf_dct import keras as tf_dct_keras
+  from tf_dct.keras import placement
+  from launch import configs
+  from launch import registry
+  from launch import summaries
+  from models.data.errors import DataError
+  from models.data.errors import MALFORMED
+  from models.flavour import LEGACY
+  from models.flavour import keras
+  # pylint: enable=g-import-not-at-top,wrong-import-position
 
 MODELS = tuple(registry.SPECS)
 CONFIGS = configs.PRESETS
@@ -565,12 +623,26 @@ def validate(cfg: dict) -> None:
                     "this checkout yet")
 
 
-def make_compressor(cfg: dict):
-  """The `tf_dct.compression` object of `--compression` (None for 'none')."""
+def make_compressor(cfg: dict, cls: type | None = None):
+  """The `tf_dct.compression` object of `--compression` (None for 'none').
+
+  Args:
+    cfg: the launcher configuration.
+    cls: a subclass of the class `--compression` names (`Dense` for
+      'none'), built with the arguments the flags give instead (e.g. one
+      that also records what it is handed); None: that class.
+
+  Raises:
+    TypeError: `cls` is not such a subclass.
+  """
   comp = cfg["compression"]
+  base = getattr(tf_dct.compression, COMPRESSOR_CLASSES[comp])
+  if cls is not None and not (isinstance(cls, type) and issubclass(cls, base)):
+    raise TypeError(f"make_compressor: cls must be a subclass of "
+                    f"tf_dct.compression.{base.__name__} (--compression={comp}), got {cls!r}")
   if comp == "none":
-    return None
-  cls = getattr(tf_dct.compression, COMPRESSOR_CLASSES[comp])
+    return None if cls is None else cls()
+  cls = cls or base
   common = {"min_size": cfg["min_size"], "warmup_steps": cfg["warmup_steps"],
             "exclude": tuple(cfg.get("compression_exclude") or ()),
             "sparse_gradients": cfg.get("sparse_gradients", "auto"),
@@ -835,6 +907,15 @@ class Job:
       d = os.path.join(d, f"worker_{self.repl.cluster_resolver.task_id}")
     return d
 
+  def _summary_dir(self) -> str:
+    """Where the TensorBoard summaries go: --model_dir itself (its `train`,
+    `eval` runs) on the chief; nowhere on the other workers of a
+    multi_worker run, as with Keras' TensorBoard callback and the Model
+    Garden (their scalars would repeat the chief's). Empty: none written."""
+    if not self.cfg["model_dir"] or not getattr(self.repl, "is_chief", True):
+      return ""
+    return self.cfg["model_dir"]
+
   def setup(self) -> "Job":
     cfg, spec = self.cfg, self.spec
     check_settings(cfg)
@@ -899,7 +980,7 @@ class Job:
             name.startswith(self._input_key() + "/")
             for name, _ in tf.train.list_variables(self.restored_from)))
         print(f"restored {self.restored_from} at step {int(self.step.numpy())}", flush=True)
-    self.summaries = summaries.Summaries(cfg, model_dir)
+    self.summaries = summaries.Summaries(cfg, self._summary_dir())
     self.summaries.gate(self.compressor)
     return self
 
@@ -914,32 +995,38 @@ class Job:
   # -- data ---------------------------------------------------------------------
 
   def _dataset(self, batch_size: int, ctx: tf.distribute.InputContext | None = None,
-               *, skip: bool = True):
+               *, resume: bool = True):
     """Global (or, with several workers, this worker's) batches, from `step` on.
 
-    Resuming skips the batches the finished steps consumed (with `skip`), so
-    a resumed run sees the same stream as an uninterrupted one (the skipped
-    batches are generated and dropped, a cost proportional to the step).
+    The stream starts at the batch of the current step (`ModelSpec.dataset`
+    makes it there directly; no batches are made and dropped but for real
+    Criteo files), so a resumed run sees the batches of an uninterrupted
+    one; after a change of --batch_size, the batches of the new size from
+    the step on. `resume=False`: from the first batch (for an iterator
+    whose checkpointed position is restored).
     """
     cfg = dict(self.cfg, batch_size=batch_size)
-    ds = self.spec.dataset(cfg)
-    if ctx is not None and ctx.num_input_pipelines > 1:
-      ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-    return ds.skip(int(self.step.numpy())) if skip else ds
+    pipelines = ctx.num_input_pipelines if ctx is not None else 1
+    start = int(self.step.numpy()) * pipelines if resume else 0
+    ds = self.spec.dataset(cfg, start)
+    if pipelines > 1:
+      # Worker i takes batches i, i + n, ...: from step s on, those of
+      # the global stream from s * n on.
+      ds = ds.shard(pipelines, ctx.input_pipeline_id)
+    return ds
 
   def _input(self, ctx: tf.distribute.InputContext):
     """The custom loop's input: a dataset, or a callable giving the next batch.
 
-    For a model whose input iterator can be checkpointed
+    For a model whose input iterator is checkpointed
     (`ModelSpec.checkpoint_input`) the iterator joins the checkpoint under
     `_input_key()`: a resume restores its position (TensorFlow restores it as
-    it is attached) instead of skipping the consumed batches. A checkpoint
-    without it (another model or batch size, `--loop=fit`) is resumed by
-    skipping.
+    it is attached). A checkpoint without it (another model or batch size,
+    `--loop=fit`) and every other model start the stream at the step.
     """
     per_worker = self.cfg["batch_size"] // self.num_workers
     ds = self._dataset(per_worker, ctx if self.num_workers > 1 else None,
-                       skip=not self.input_restored)
+                       resume=not self.input_restored)
     if not self.spec.checkpoint_input:
       return ds
     with tf.init_scope(), tf.device("/cpu:0"):
@@ -949,7 +1036,8 @@ class Job:
 
   def _input_key(self) -> str:
     """The input iterator's name in the checkpoint; it holds batches already
-    made (prefetched), so a resume with another batch size skips instead."""
+    made (prefetched), so a resume with another batch size starts the stream
+    at the step instead."""
     return f"input_batch_{self.cfg['batch_size'] // self.num_workers}"
 
   # -- loops --------------------------------------------------------------------
@@ -1022,9 +1110,9 @@ class Job:
 
     Evaluation and checkpoints run between the chunks, outside fit (fit runs
     its callbacks inside the strategy scope, where the models' evaluation
-    metrics would become per-replica variables). Each chunk restarts the
-    input at the current step (`_dataset` skips the consumed batches), so the
-    stream is the same as in one long fit.
+    metrics would become per-replica variables). Each chunk, and a resumed
+    run, starts the input at the current step (`_dataset`), so the stream
+    is the same as in one long fit.
     """
     cfg, job = self.cfg, self
     steps_per_epoch = cfg["log_every"]
@@ -1321,10 +1409,6 @@ def print_table(s: dict, cfg: dict) -> None:
   sys.stdout.flush()
 
 
-# Replicators that use no GPU: their runs hide the GPUs from TensorFlow.
-NO_GPU_REPLICATORS = ("cpu", "tpu")
-
-
 def hide_gpus(replicator: str) -> None:
   """On a run that uses no GPU, hides the GPUs from TensorFlow.
 
@@ -1340,29 +1424,8 @@ def hide_gpus(replicator: str) -> None:
   if replicator not in NO_GPU_REPLICATORS:
     return
   os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-  with _without_stderr_lines(b"cuInit"):
+  with without_stderr_lines((b"cuInit",)):
     tf.config.list_physical_devices()
-
-
-@contextlib.contextmanager
-def _without_stderr_lines(marker: bytes):
-  """Passes on what is written to file descriptor 2 inside, but for the lines
-  holding `marker` (TensorFlow's C++ logging writes there, not to sys.stderr)."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      yield
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      kept = [line for line in captured.read().splitlines(keepends=True)
-              if marker not in line]
-      if kept:
-        os.write(2, b"".join(kept))
 
 
 def train(cfg: dict) -> dict:

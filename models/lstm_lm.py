@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 from models.flavour import keras
 
+from models.data import order
 from models.data import text
 
 METRIC = "perplexity"
@@ -101,20 +102,23 @@ def build_model(seed: int = 0, data_dir: str | None = None, min_count: int = 1,
 
 def make_dataset(batch_size: int, seed: int = 0, data_dir: str | None = None,
                  split: str = "train", seq_len: int = SEQ_LEN,
-                 min_count: int = 1) -> tf.data.Dataset:
+                 min_count: int = 1, start: int = 0) -> tf.data.Dataset:
   """(inputs int32 [b, seq_len], targets int32 [b, seq_len]) batches.
 
-  Train: endless, shuffled windows, whole batches. valid/test: one pass in
-  order, last batch may be short.
+  Train: endless, whole batches of windows, every epoch in its own seeded
+  order, from batch `start` on (made directly, for a resume;
+  `models.data.order`). valid/test: one pass in order, last batch may be
+  short.
   """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
   inputs, targets = text.lm_windows(load_data(data_dir or None, seed, min_count).ids[split],
                                     seq_len)
-  ds = tf.data.Dataset.from_tensor_slices((inputs, targets))
   if split != "train":
-    return ds.batch(batch_size)
-  return ds.shuffle(len(inputs), seed=seed).repeat().batch(batch_size, drop_remainder=True)
+    if start:
+      raise ValueError(f"start is for the endless train split, not {split!r}")
+    return tf.data.Dataset.from_tensor_slices((inputs, targets)).batch(batch_size)
+  return order.shuffled_batches((inputs, targets), batch_size, seed, start)
 
 
 def loss(targets: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:

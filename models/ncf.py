@@ -78,15 +78,16 @@ def build_model(seed: int = 0, data_dir: str | None = None, *,
 
 
 def make_dataset(batch_size: int, seed: int = 0, data_dir: str | None = None, *,
-                 num_negatives: int = NUM_NEGATIVES) -> tf.data.Dataset:
+                 num_negatives: int = NUM_NEGATIVES, start: int = 0) -> tf.data.Dataset:
   """Endless shuffled `((users, items), labels [B,1])` training batches.
 
   Positives are the leave-one-out training interactions; each comes with
   `num_negatives` freshly sampled negatives per epoch. Synthetic (a hidden
-  latent-factor teacher) when `data_dir` is empty.
+  latent-factor teacher) when `data_dir` is empty. `start`: the index of the
+  first batch (the stream from there on, made directly: a resume).
   """
   train, _ = load(seed, data_dir or None)
-  return movielens.training_dataset(train, batch_size, num_negatives, seed)
+  return movielens.training_dataset(train, batch_size, num_negatives, seed, start)
 
 
 def make_eval_data(seed: int = 0, data_dir: str | None = None,

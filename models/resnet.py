@@ -17,6 +17,7 @@ import tensorflow as tf
 from models.flavour import keras
 
 from models.data import cifar
+from models.data import order
 
 METRIC = "accuracy"
 DEFAULT_CONFIG = {"widths": (64, 128, 256, 512), "blocks_per_stage": 2}
@@ -85,26 +86,40 @@ def build_model(seed: int = 0, data_dir: str | None = None, **config) -> keras.M
 
 
 def make_dataset(batch_size: int, seed: int = 0, data_dir: str | None = None,
-                 split: str = "train", augment: bool = True) -> tf.data.Dataset:
+                 split: str = "train", augment: bool = True,
+                 start: int = 0) -> tf.data.Dataset:
   """(images float32 [b, 32, 32, 3], labels int32 [b]) batches.
 
-  Train: endless, shuffled (and augmented on real data), whole batches only.
+  Train: endless, whole batches, every epoch in its own seeded order (and
+  augmented on real data, each image by a seed of its stream position),
+  from batch `start` on (made directly, for a resume; `models.data.order`).
   Test: one pass in file order, last batch may be short. Empty `data_dir`:
   synthetic images (test = 1024 held-out images from another stream).
   """
   if split not in ("train", "test"):
     raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+  if start and split != "train":
+    raise ValueError(f"start is for the endless train split, not {split!r}")
   if not data_dir:
-    ds = cifar.synthetic_batches(batch_size, seed, stream=0 if split == "train" else 1)
+    ds = cifar.synthetic_batches(batch_size, seed, stream=0 if split == "train" else 1,
+                                 start=start)
     return ds if split == "train" else ds.take(-(-SYNTHETIC_TEST_EXAMPLES // batch_size))
   images, labels = cifar.load(data_dir, split)
-  ds = tf.data.Dataset.from_tensor_slices((images, labels))
   if split == "test":
+    ds = tf.data.Dataset.from_tensor_slices((images, labels))
     return ds.batch(batch_size).map(lambda x, y: (cifar.normalize(x), y)).prefetch(2)
-  ds = ds.shuffle(len(labels), seed=seed).repeat()
-  if augment:
-    ds = tf.data.Dataset.zip((ds, tf.data.Dataset.random(seed=seed).batch(2))).map(
-        lambda xy, s: (cifar.augment(xy[0], s), xy[1]), num_parallel_calls=tf.data.AUTOTUNE)
+  images, labels = tf.constant(images), tf.constant(labels)
+  n = int(labels.shape[0])
+
+  def example(k):
+    i = order.shuffled_indices(k, n, seed)
+    image = tf.gather(images, i)
+    if augment:
+      image = cifar.augment(image, tf.stack([tf.constant(seed, tf.int64), k]))
+    return image, tf.gather(labels, i)
+
+  ds = tf.data.Dataset.range(start * batch_size, order.ENDLESS).map(
+      example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   return ds.batch(batch_size, drop_remainder=True).map(
       lambda x, y: (cifar.normalize(x), y)).prefetch(2)
 

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from models.data import order
 from models.data.errors import DataError
 
 IMAGE_SHAPE = (32, 32, 3)
@@ -82,13 +83,14 @@ def augment(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
 
 
 def synthetic_batches(batch_size: int, seed: int = 0, stream: int = 0,
-                      noise: float = 1.0) -> tf.data.Dataset:
+                      noise: float = 1.0, start: int = 0) -> tf.data.Dataset:
   """Endless (images float32 [b, 32, 32, 3], labels int32 [b]) batches.
 
   Each class has a fixed random template: a colour plus an oriented stripe
   pattern (fixed by `seed`). An image is its class template plus Gaussian
   noise, so the class is learnable but not trivially separable per pixel.
-  `stream` picks an independent sequence (e.g. 0 train, 1 test).
+  `stream` picks an independent sequence (e.g. 0 train, 1 test); batch `i`
+  depends on `i` alone, and the sequence begins at batch `start`.
   """
   rng = np.random.default_rng([seed, 0])
   colors = rng.normal(size=(NUM_CLASSES, 1, 1, 3))
@@ -107,4 +109,5 @@ def synthetic_batches(batch_size: int, seed: int = 0, stream: int = 0,
         [batch_size, *IMAGE_SHAPE], noise_key)
     return images, labels
 
-  return tf.data.Dataset.counter().map(make).prefetch(2)
+  order.check_start(start)
+  return tf.data.Dataset.range(start, order.ENDLESS).map(make).prefetch(2)

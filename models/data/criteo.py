@@ -28,6 +28,7 @@ import re
 import numpy as np
 import tensorflow as tf
 
+from models.data import order
 from models.data.errors import DataError
 from models.data.errors import MALFORMED
 
@@ -254,12 +255,14 @@ def _synthetic_features(seed: tf.Tensor, batch_size: int, vocab_sizes: Sequence[
 
 def synthetic_dataset(batch_size: int, seed: int = 0,
                       vocab_sizes: int | Sequence[int] = SYNTHETIC_VOCAB_SIZE,
-                      split: str = "train") -> tf.data.Dataset:
+                      split: str = "train", start: int = 0) -> tf.data.Dataset:
   """Endless teacher-labelled Criteo-shaped batches, deterministic per seed.
 
   The labels are Bernoulli draws from the sigmoid of a fixed `Teacher(seed)`;
-  `split="eval"` draws other rows from the same teacher.
+  `split="eval"` draws other rows from the same teacher. Batch `i` depends
+  on `i` alone; the stream begins at batch `start`.
   """
+  order.check_start(start)
   sizes = vocab_list(vocab_sizes)
   teacher = Teacher(seed, sizes)
   stream = {"train": 0, "eval": 1}[split]
@@ -271,7 +274,7 @@ def synthetic_dataset(batch_size: int, seed: int = 0,
     label = tf.cast(u < tf.sigmoid(teacher.logits(dense, sparse)), tf.float32)
     return (dense, sparse), label
 
-  return tf.data.Dataset.range(1 << 62).map(batch).prefetch(2)
+  return tf.data.Dataset.range(start, order.ENDLESS).map(batch).prefetch(2)
 
 
 def write_tsv(path: str, num_rows: int, seed: int = 0,

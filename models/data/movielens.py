@@ -12,14 +12,13 @@ items the user never interacted with.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import dataclasses
-import functools
 import os
 
 import numpy as np
 import tensorflow as tf
 
+from models.data import order
 from models.data.errors import DataError
 
 CSV_HEADER = ("userId", "movieId", "rating", "timestamp")
@@ -277,46 +276,60 @@ def eval_data(train: Interactions, test: Interactions, num_negatives: int = 99,
   return EvalData(test.users.copy(), np.concatenate([test.items[:, None], negatives], 1))
 
 
-def training_batches(train: Interactions, batch_size: int, num_negatives: int = 4,
-                     seed: int = 0, chunk: int = 1 << 18
-                     ) -> Iterator[tuple[tuple[np.ndarray, np.ndarray], np.ndarray]]:
-  """Endless shuffled `((users, items), labels)` batches with fresh negatives.
-
-  Every positive comes with `num_negatives` items the user did not interact
-  with, redrawn each epoch; deterministic for a seed.
-  """
-  epoch = 0
-  carry = None
-  while True:
-    rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(train.users))
-    for start in range(0, len(order), chunk):
-      idx = order[start:start + chunk]
-      users = train.users[idx]
-      negatives = sample_negatives(users, num_negatives, train, rng)
-      u = np.concatenate([users, np.repeat(users, num_negatives)])
-      i = np.concatenate([train.items[idx], negatives.reshape(-1)])
-      y = np.concatenate([np.ones(len(idx)), np.zeros(negatives.size)]).astype(np.float32)
-      perm = rng.permutation(len(u))
-      part = (u[perm].astype(np.int32), i[perm].astype(np.int32), y[perm])
-      if carry is not None:
-        part = tuple(np.concatenate([a, b]) for a, b in zip(carry, part))
-      full = len(part[0]) // batch_size * batch_size
-      for s in range(0, full, batch_size):
-        yield (part[0][s:s + batch_size], part[1][s:s + batch_size]), \
-            part[2][s:s + batch_size, None]
-      carry = tuple(a[full:] for a in part)
-    epoch += 1
-
-
 def training_dataset(train: Interactions, batch_size: int, num_negatives: int = 4,
-                     seed: int = 0) -> tf.data.Dataset:
-  """`training_batches` as a tf.data.Dataset of `((users, items), labels)`."""
-  spec = ((tf.TensorSpec([batch_size], tf.int32), tf.TensorSpec([batch_size], tf.int32)),
-          tf.TensorSpec([batch_size, 1], tf.float32))
-  return tf.data.Dataset.from_generator(
-      functools.partial(training_batches, train, batch_size, num_negatives, seed),
-      output_signature=spec).prefetch(2)
+                     seed: int = 0, start: int = 0) -> tf.data.Dataset:
+  """Endless shuffled `((users, items), labels [B,1])` batches with fresh negatives.
+
+  An epoch is every training positive plus `num_negatives` negatives for
+  it (items the user did not interact with, uniform, redrawn every epoch),
+  in a seeded order of its own (`models.data.order`). Batch `b` is a
+  function of `b` alone (deterministic for a seed and batch size), so the
+  stream from batch `start` on is made directly, as a resumed run needs it.
+  """
+  order.check_start(start)
+  users = np.asarray(train.users, np.int32)
+  if not len(users):
+    raise ValueError("no training interactions to make batches of")
+  counts = np.bincount(train.users, minlength=train.num_users)
+  if num_negatives and np.max(counts) >= train.num_items:
+    raise ValueError("cannot sample negatives: a user has interacted with all "
+                     f"{train.num_items} items")
+  group = 1 + num_negatives  # a positive and its negatives
+  size = len(users) * group  # examples per epoch
+  seen = tf.constant(np.unique(_keys(train.users, train.items, train.num_items)))
+  users_t, items_t = tf.constant(users), tf.constant(np.asarray(train.items, np.int32))
+  num_items = train.num_items
+
+  def negatives(b, u):
+    """Items the users `u` never interacted with; redrawn where one did."""
+    def draw(t):
+      key = tf.stack([tf.constant(seed, tf.int64), b * 1024 + t])
+      return tf.random.stateless_uniform(tf.shape(u), key, 0, num_items, tf.int32)
+
+    def hit(i):
+      keys = tf.cast(u, tf.int64) * num_items + tf.cast(i, tf.int64)
+      pos = tf.minimum(tf.searchsorted(seen, keys, out_type=tf.int64),
+                       tf.size(seen, tf.int64) - 1)
+      return tf.equal(tf.gather(seen, pos), keys)
+
+    items = draw(tf.constant(0, tf.int64))
+    _, items = tf.while_loop(
+        lambda t, i: tf.reduce_any(hit(i)),
+        lambda t, i: (t + 1, tf.where(hit(i), draw(t), i)),
+        (tf.constant(1, tf.int64), items))
+    return items
+
+  def batch(b, k):
+    q = order.shuffled_indices(k, size, seed)
+    p, r = q // group, q % group
+    u = tf.gather(users_t, p)
+    items = tf.where(r == 0, tf.gather(items_t, p), negatives(b, u))
+    labels = tf.cast(r == 0, tf.float32)[:, None]
+    return (u, items), labels
+
+  positions = order.batch_positions(start, batch_size)
+  indices = tf.data.Dataset.range(start, order.ENDLESS)
+  return tf.data.Dataset.zip(indices, positions).map(batch).prefetch(2)
 
 
 # --- synthetic data ------------------------------------------------------------

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 from models.flavour import keras
 
+from models.data import order
 from models.data import text
 from models.data import tokenizer as tokenizers
 from models.transformer import bleu
@@ -141,20 +142,23 @@ def build_model(seed: int = 0, data_dir: str | None = None, split_fn: SplitFn | 
 
 def make_dataset(batch_size: int, seed: int = 0, data_dir: str | None = None,
                  split: str = "train", tokenizer: str = "wordpiece",
-                 max_len: int = 64) -> tf.data.Dataset:
+                 max_len: int = 64, start: int = 0) -> tf.data.Dataset:
   """((source, target_in), target_out) int32 [b, max_len] batches.
 
-  Train: endless, shuffled, whole batches. valid/test: one pass, in order,
-  last batch may be short.
+  Train: endless, every epoch in its own seeded order, whole batches, from
+  batch `start` on (made directly, for a resume; `models.data.order`).
+  valid/test: one pass, in order, last batch may be short.
   """
   arrays = _data(data_dir, seed, tokenizer, max_len).arrays
   if split not in arrays:
     raise ValueError(f"split must be one of {sorted(arrays)}, got {split!r}")
   source, target_in, target_out = arrays[split]
-  ds = tf.data.Dataset.from_tensor_slices(((source, target_in), target_out))
   if split != "train":
-    return ds.batch(batch_size)
-  return ds.shuffle(len(source), seed=seed).repeat().batch(batch_size, drop_remainder=True)
+    if start:
+      raise ValueError(f"start is for the endless train split, not {split!r}")
+    return tf.data.Dataset.from_tensor_slices(((source, target_in), target_out)).batch(
+        batch_size)
+  return order.shuffled_batches(((source, target_in), target_out), batch_size, seed, start)
 
 
 def loss(targets: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:

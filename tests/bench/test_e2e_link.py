@@ -194,6 +194,48 @@ def test_worker_passes_min_count_to_compressing_configs_only():
     assert cfg.get("min_count") == want, (flags, config)
 
 
+def test_worker_compressors_record_gradient_types_through_a_subclass():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_dct  # pylint: disable=g-import-not-at-top
+  from bench import e2e_worker  # pylint: disable=g-import-not-at-top
+  from models.flavour import keras  # pylint: disable=g-import-not-at-top
+  for config, kind in (("dense", e2e_worker.DensifiedDense), ("native", "Dense"),
+                       ("dctdp", "DCTDP"), ("topk", "TopK")):
+    argv = e2e_link.worker_argv(e2e_link.parse_args(["--quick"]), config, "/x")
+    cfg = e2e_worker.launcher_config(e2e_worker.parse_args(argv))
+    types = {}
+    compressor = e2e_worker.make_compressor(config, cfg, types)
+    base = kind if isinstance(kind, type) else getattr(tf_dct.compression, kind)
+    assert isinstance(compressor, base), (config, type(compressor).__mro__)
+    if config == "dctdp":
+      assert compressor.sparsity == cfg["sparsity"]
+    rows = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([1]), tf.constant([4, 2]))
+    repl = tf_dct.Replicator(["/cpu:0"])
+    with repl.scope():
+      table = tf.Variable(tf.zeros([4, 2]), name="table")
+      bias = tf.Variable(0.0, name="b")
+    repl.wrap_optimizer(keras.optimizers.SGD(0.1), compression=compressor)
+
+    def step():
+      compressor.aggregate([(rows, table), (tf.constant(1.0), bias)])
+      return tf.constant(0)
+
+    repl.run(step)
+    assert types["table"] == "IndexedSlices" and set(types) == {"table", "b"}, (config, types)
+
+
+def test_launcher_compressor_class_must_subclass_the_flags_class():
+  import tf_dct  # pylint: disable=g-import-not-at-top
+  from bench import e2e_worker  # pylint: disable=g-import-not-at-top
+  from launch import train  # pylint: disable=g-import-not-at-top
+  argv = e2e_link.worker_argv(e2e_link.parse_args(["--quick"]), "dctdp", "/x")
+  cfg = e2e_worker.launcher_config(e2e_worker.parse_args(argv))
+  with pytest.raises(TypeError, match=r"cls must be a subclass of "
+                     r"tf_dct.compression.DCTDP \(--compression=dct\)"):
+    train.make_compressor(cfg, cls=tf_dct.compression.TopK)
+  assert train.make_compressor(dict(cfg, compression="none")) is None
+
+
 def test_main_reports_bad_flag_before_anything(capsys):
   def factory():
     raise AssertionError("no testbed may be created for a bad flag")

@@ -180,10 +180,26 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("min_size_float", {"min_size": 1.5}, "min_size"),
       ("warmup_negative", {"warmup_steps": -2}, "warmup_steps must be an int >= 0"),
       ("warmup_none", {"warmup_steps": None}, "warmup_steps"),
+      ("fuse_size_negative", {"fuse_size": -1}, "fuse_size must be an int >= 0"),
+      ("batch_capacity_float", {"batch_capacity": 1.5}, "batch_capacity must be an int"),
   )
   def test_bad_argument(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):
       DCTDP(**kwargs)
+
+  def test_fuse_size_groups_the_small_variables(self):
+    # 30, 17, 40 and 700 entries, every one with state, stock selection.
+    variables = [tf.Variable(tf.zeros(s)) for s in ((6, 5), (17,), (40,), (700,))]
+    grads = [tf.zeros_like(v) for v in variables]
+    groups = lambda size: dct_dp_fast.groups(grads, variables, [{"x": 1}] * 4, set(),
+                                             fuse_size=size)
+    self.assertEqual(groups(35), [(False, [0, 1]), (False, [2]), (False, [3])])
+    self.assertEqual(groups(0), [(False, [0]), (False, [1]), (False, [2]), (False, [3])])
+    self.assertEqual(groups(None), [(False, [0, 1, 2, 3])])  # FUSE_SIZE = 8192
+    self.assertEqual(dct_dp_fast.FUSE_SIZE, 8192)
+    compressor = DCTDP(fuse_size=35, batch_capacity=0)
+    self.assertEqual((compressor.fuse_size, compressor.batch_capacity), (35, 0))
+    self.assertEqual((DCTDP().fuse_size, DCTDP().batch_capacity), (None, None))
 
   def test_conventions(self):
     self.assertEqual(dct_dp.num_below(100, 0.29), 29)   # not 28

@@ -1,7 +1,5 @@
 """Tests for tf_dct.compression.sparse_wire against numpy."""
 
-from unittest import mock
-
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
@@ -461,17 +459,21 @@ class EncodingTest(tf.test.TestCase, parameterized.TestCase):
              for n, cap, dtype in specs] for _ in range(replicas)]
     repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
 
-    def fn():
+    def fn(batch):
       ctx = tf.distribute.get_replica_context()
       r = tf.get_static_value(ctx.replica_id_in_sync_group)
       return sparse_wire.exchange_many(
           ctx, [(tf.constant(i), tf.constant(v), n)
-                for (i, v), (n, _, _) in zip(data[r], specs)], presorted=True)
+                for (i, v), (n, _, _) in zip(data[r], specs)], presorted=True,
+          use_native=False, batch_capacity=batch)
 
     outs = {}
     for batch in (sparse_wire.BATCH_CAPACITY, 0):
-      with mock.patch.object(sparse_wire, "BATCH_CAPACITY", batch):
-        outs[batch] = util.local(repl, tf.function(lambda: repl.run(fn))())
+      outs[batch] = util.local(
+          repl, tf.function(lambda: repl.run(fn, args=(batch,)))())  # pylint: disable=cell-var-from-loop
+    with self.assertRaisesRegex(ValueError, r"exchange_many: batch_capacity must be an "
+                                r"int >= 0 \(or None\), got -1"):
+      sparse_wire.exchange_many(None, [], batch_capacity=-1)
     for t, (n, _, dtype) in enumerate(specs):
       want = np.zeros(n)
       for r in range(replicas):

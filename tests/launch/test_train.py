@@ -16,12 +16,14 @@ from unittest import mock
 
 from absl import flags
 from absl.testing import flagsaver
+from absl.testing import parameterized
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_dct
 from launch import registry
+from launch import summaries
 from launch import train
 from tests import util
 
@@ -91,7 +93,7 @@ class TrainTest(tf.test.TestCase):
       train.train(_cfg(model="mlp", batch_size=30))
 
 
-class InputResumeTest(tf.test.TestCase):
+class InputResumeTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_resume_restores_the_input_position(self):
     model_dir = self.create_tempdir().full_path
@@ -105,12 +107,66 @@ class InputResumeTest(tf.test.TestCase):
     spec = registry.get("mlp")
     want = list(spec.dataset(_cfg(**cfg)).take(6))[5]  # uninterrupted: batch 6
     tf.nest.map_structure(self.assertAllEqual, got, want)
-    # Another batch size cannot take the saved (prefetched) batches: skip.
+    # Another batch size cannot take the saved (prefetched) batches: the
+    # stream of the new size from the step.
     other = train.Job(_cfg(**dict(cfg, steps=8, batch_size=64))).setup()
     self.assertFalse(other.input_restored)
     got = other._input(None)()  # pylint: disable=protected-access
     want = list(spec.dataset(_cfg(**dict(cfg, batch_size=64))).take(6))[5]
     tf.nest.map_structure(self.assertAllEqual, got, want)
+
+  @parameterized.parameters("ncf", "transformer", "resnet", "lstm_lm", "dlrm")
+  def test_resume_starts_the_stream_at_the_step(self, model):
+    # A checkpoint at step 5 (no training needed to make one): the resumed
+    # custom loop's and fit's input are batches 5, 6, ... of the
+    # uninterrupted stream, made directly (no iterator state in the
+    # checkpoint, no skipped batches).
+    model_dir = self.create_tempdir().full_path
+    cfg = _cfg(model=model, compression="none", model_dir=model_dir)
+    job = train.Job(cfg).setup()
+    job.step.assign(5)
+    job.manager.save(checkpoint_number=5)
+    names = [n for n, _ in tf.train.list_variables(job.manager.latest_checkpoint)]
+    self.assertFalse([n for n in names if "ITERATOR_STATE" in n])
+    resumed = train.Job(cfg).setup()
+    self.assertEqual(int(resumed.step.numpy()), 5)
+    self.assertFalse(resumed.input_restored)
+    spec = registry.get(model)
+    want = list(spec.dataset(cfg).take(7))[5:]
+    custom = resumed._input(None)  # pylint: disable=protected-access
+    if callable(custom):  # a checkpointed iterator (dlrm), positioned at the step
+      custom = [custom(), custom()]
+    for got in (list(custom.take(2)) if not isinstance(custom, list) else custom,
+                list(resumed._dataset(cfg["batch_size"]).take(2))):  # pylint: disable=protected-access
+      for g, w in zip(got, want):
+        tf.nest.map_structure(self.assertAllEqual, g, w)
+    if model == "lstm_lm":
+      # Another batch size: the batches of that size from the step on.
+      other = _cfg(model=model, compression="none", model_dir=model_dir, batch_size=16)
+      got = next(iter(train.Job(other).setup()._dataset(16)))  # pylint: disable=protected-access
+      tf.nest.map_structure(self.assertAllEqual, got, list(spec.dataset(other).take(6))[5])
+
+  def test_fit_resume_starts_the_input_at_the_step(self):
+    model_dir = self.create_tempdir().full_path
+    cfg = dict(model="mlp", compression="none", loop="fit", steps=4, log_every=1,
+               model_dir=model_dir)
+    spec = registry.get("mlp")
+    starts = []
+    dataset_fn = spec.dataset_fn
+
+    def recording(spec_, cfg_, start):
+      starts.append(start)
+      return dataset_fn(spec_, cfg_, start)
+
+    job = train.Job(_cfg(**cfg)).setup()
+    job.step.assign(4)
+    job.manager.save(checkpoint_number=4)
+    with mock.patch.object(spec, "dataset_fn", recording):
+      resumed = train.train(_cfg(**dict(cfg, steps=6, eval_every=1)))
+    self.assertEqual(resumed["steps"], 6)
+    self.assertLen(resumed["losses"], 2)
+    # The resumed fit's chunks (one per evaluation) start at steps 4 and 5.
+    self.assertEqual(starts, [4, 5])
 
 
 class DlrmRestartTest(tf.test.TestCase):
@@ -187,6 +243,31 @@ class DlrmRestartTest(tf.test.TestCase):
     # The accounting state is checkpointed too: its step count continues.
     self.assertEqual(resumed.optimizer.communication_stats()["steps"],
                      [c + 6 for c in counts])
+
+
+class SummaryDirTest(tf.test.TestCase):
+  """Only the chief of a multi_worker run writes TensorBoard summaries."""
+
+  def test_chief_writes_to_model_dir_other_workers_nothing(self):
+    model_dir = self.create_tempdir().full_path
+    cfg = _cfg(model="mlp", compression="none", model_dir=model_dir)
+    job = train.Job(cfg)
+    for is_chief, want in ((True, model_dir), (False, "")):
+      job.repl = mock.Mock(is_chief=is_chief)
+      self.assertEqual(job._summary_dir(), want)  # pylint: disable=protected-access
+    job.repl = object()  # one process (cpu/gpu/tpu replicators): the chief
+    self.assertEqual(job._summary_dir(), model_dir)  # pylint: disable=protected-access
+    self.assertEqual(train.Job(_cfg(model="mlp"))._summary_dir(), "")  # pylint: disable=protected-access
+    # A worker's summaries: everything a run writes goes nowhere.
+    job.repl = mock.Mock(is_chief=False)
+    worker = summaries.Summaries(cfg, job._summary_dir())  # pylint: disable=protected-access
+    with worker.training():
+      worker.begin_step(1)
+      worker.log(1, loss=0.5, metrics={}, learning_rate=0.1, timed_steps=0,
+                 timed_seconds=0.0, batch_size=32, mp=None)
+    worker.eval(1, {"mse": 0.5})
+    self.assertFalse(worker.write_hparams({"model": "mlp"}, "mse"))
+    self.assertEqual(os.listdir(model_dir), [])
 
 
 class _Stats:
@@ -499,7 +580,8 @@ class ProgressTest(tf.test.TestCase):
   def test_launcher_prints_at_once_and_no_cuinit_line(self):
     # Under Keras 3 (the in-process tests run tf-keras): --keras=3 overrides
     # the TF_USE_LEGACY_KERAS=1 this process inherits.
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CUDA_VISIBLE_DEVICES", "TF_CPP_MIN_LOG_LEVEL")}
     env["PYTHONPATH"] = REPO
     out = subprocess.run([sys.executable, "-m", "launch.train", "--model=mlp",
                           "--config=local", "--compression=none", "--steps=2",
@@ -511,6 +593,23 @@ class ProgressTest(tf.test.TestCase):
                      "training mlp (local): 2 steps, global batch 32, --replicator=cpu, "
                      "--compression=none, Keras 3; building the model ...")
     self.assertNotIn("cuInit", out.stderr)
+    # TensorFlow's import-time lines of a CUDA build on a machine without one.
+    self.assertNotIn("cudart_stub", out.stderr)
+    self.assertNotIn("absl::InitializeLog", out.stderr)
+
+  def test_import_noise_is_dropped_only_on_runs_without_gpus(self):
+    self.assertTrue(train.uses_no_gpu([]))
+    self.assertTrue(train.uses_no_gpu(["--model=mlp", "--replicator", "tpu"]))
+    self.assertFalse(train.uses_no_gpu(["--replicator=gpu"]))
+    self.assertFalse(train.uses_no_gpu(["--replicator=multi_worker"]))
+    lines = [b"WARNING: All log messages before absl::InitializeLog() is called are "
+             b"written to STDERR\n",
+             b"I0000 cudart_stub.cc:31] Could not find cuda drivers on your machine\n",
+             b"WARNING: All log messages before absl::InitializeLog() is called are "
+             b"written to STDERR\n",
+             b"E0000 cuda_platform.cc:52] failed call to cuInit\n",
+             b"a line of the user's\n"]
+    self.assertEqual(train.dropped_lines(lines, train.IMPORT_NOISE), lines[2:])
 
 
 class KerasFlavourTest(tf.test.TestCase):

@@ -157,12 +157,32 @@ class SplitTest(tf.test.TestCase):
                    np.concatenate([train.items, test.items]).tolist()))
     self.assertFalse(any((u, i) in seen for u, row in zip(ev.users, ev.items[:, 1:])
                          for i in row))
-    batches = ml.training_batches(train, 32, num_negatives=4, seed=0)
-    labels = np.concatenate([next(batches)[1] for _ in range(len(train.users) * 5 // 32)])
-    self.assertAllClose(labels.mean(), 0.2, atol=0.03)  # 1 positive : 4 negatives
-    again = ml.training_batches(train, 32, num_negatives=4, seed=0)
-    tf.nest.map_structure(self.assertAllEqual, next(again), next(ml.training_batches(
-        train, 32, num_negatives=4, seed=0)))
+    # Two epochs of 120 positives x (1 + 4) in batches of 40 (15 batches each).
+    batches = list(ml.training_dataset(train, 40, num_negatives=4, seed=0).take(30))
+    users = np.concatenate([u for (u, _), _ in batches])
+    items = np.concatenate([i for (_, i), _ in batches])
+    labels = np.concatenate([y[:, 0] for _, y in batches])
+    train_pairs = set(zip(train.users.tolist(), train.items.tolist()))
+    negatives = []
+    for e in range(2):
+      epoch = slice(e * 600, (e + 1) * 600)
+      pos = labels[epoch] == 1
+      # Every positive once, as a positive; 4 negatives per positive's user.
+      self.assertEqual(sorted(zip(users[epoch][pos].tolist(), items[epoch][pos].tolist())),
+                       sorted(train_pairs))
+      self.assertAllEqual(np.sort(users[epoch][~pos]), np.sort(np.repeat(train.users, 4)))
+      self.assertFalse(any(pair in train_pairs for pair in zip(
+          users[epoch][~pos].tolist(), items[epoch][~pos].tolist())))
+      negatives.append(items[epoch][~pos])
+    self.assertNotAllEqual(negatives[0], negatives[1])  # redrawn every epoch
+    # Batch b depends on b alone: the stream from batch 17 on, made directly.
+    late = list(ml.training_dataset(train, 40, num_negatives=4, seed=0, start=17).take(2))
+    for got, want in zip(late, batches[17:19]):
+      tf.nest.map_structure(self.assertAllEqual, got, want)
+    with self.assertRaisesRegex(ValueError, "interacted with all 2 items"):
+      ml.training_dataset(_interactions([0, 0], [0, 1], [1, 2], 1, 2), 4)
+    with self.assertRaisesRegex(ValueError, r"start \(the index of the first batch\)"):
+      ml.training_dataset(train, 40, start=-1)
 
 
 class SyntheticTest(tf.test.TestCase):

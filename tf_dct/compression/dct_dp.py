@@ -295,6 +295,14 @@ class DCTDP(Compressor):
       moment of its own gradients and error feedback works on it, DGC's
       momentum correction for Adam) or "aggregate" (m averages what was
       sent; a held-back burst is then spread over the next steps).
+    fuse_size: variables of at most this many entries (and one dtype) are
+      selected together with stock ops, one set of ops for the group; 0:
+      each on its own; None (default): `dct_dp_fast.FUSE_SIZE`. An int >= 0;
+      a speed setting, the selection is the same.
+    batch_capacity: wire buffers of at most this many slots are encoded and
+      summed together on the stock-op path; 0: each on its own; None
+      (default): `sparse_wire.BATCH_CAPACITY`. An int >= 0; a speed
+      setting, the sums are the same.
 
   docs/dct_dp.md states the exact conventions.
   """
@@ -314,7 +322,9 @@ class DCTDP(Compressor):
                adam_first_moment: str = "replica",
                sparsity_schedule: Sequence[tuple[int, float]] = (),
                sparse_gradients: str = "auto",
-               dense_gradients: str = "auto"):
+               dense_gradients: str = "auto",
+               fuse_size: int | None = None,
+               batch_capacity: int | None = None):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
@@ -331,6 +341,10 @@ class DCTDP(Compressor):
     self.sparsity_schedule = _check_schedule(sparsity_schedule)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
+    self.fuse_size = (None if fuse_size is None else int(
+        _check("fuse_size", fuse_size, numbers.Integral, 0, False)))
+    self.batch_capacity = (None if batch_capacity is None else int(
+        _check("batch_capacity", batch_capacity, numbers.Integral, 0, False)))
     self._init_momentum(momentum, momentum_masking)
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)
@@ -403,7 +417,8 @@ class DCTDP(Compressor):
   def reduce(self, ctx, grads, variables, states):
     grads = error_feedback.densify_unless(grads, [bool(st) for st in states])
     native = dct_dp_fast.native_positions(self, grads, variables, states)
-    groups = dct_dp_fast.groups(grads, variables, states, native)
+    groups = dct_dp_fast.groups(grads, variables, states, native,
+                                fuse_size=self.fuse_size)
     # No state is read before every gradient of this replica passed the check
     # (see `error_feedback.checked_reads`); the native kernel checks the dense
     # gradients it reads itself.
@@ -466,7 +481,8 @@ class DCTDP(Compressor):
       exchanged = sparse_wire.exchange_many(                       # line 12
           ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items],
           encoding=self.index_encoding, presorted=True, nnz=counted,
-          use_native=self.native is not False)
+          use_native=self.native is not False,
+          batch_capacity=self.batch_capacity)
       summed, nnzs = (exchanged if counted
                       else (exchanged, [None] * len(exchanged)))
       for (i, _, _, _, shape), flat, nnz in zip(sparse_items, summed, nnzs):

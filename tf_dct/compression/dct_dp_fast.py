@@ -46,20 +46,23 @@ def native_positions(compressor, grads, variables, states) -> set[int]:
           if st and native_ops.usable(g.dtype, v.device)}
 
 
-def groups(grads, variables, states, native) -> list[tuple[bool, list[int]]]:
+def groups(grads, variables, states, native,
+           fuse_size: int | None = None) -> list[tuple[bool, list[int]]]:
   """Positions of the variables selected together, in variable order.
 
   Each group is `(native, positions)`. The variables of `native` of one
   dtype form one group for the native kernel. Of the others, those of at
-  most `FUSE_SIZE` entries and one dtype form one group; every larger one
-  is a group of its own.
+  most `fuse_size` (None: `FUSE_SIZE`) entries and one dtype form one
+  group; every larger one is a group of its own.
   """
+  if fuse_size is None:
+    fuse_size = FUSE_SIZE
   fused, out = {}, []
   for i, (g, v, st) in enumerate(zip(grads, variables, states)):
     if not st:
       continue
     key = (i in native, g.dtype)
-    if i in native or v.shape.num_elements() <= FUSE_SIZE:
+    if i in native or v.shape.num_elements() <= fuse_size:
       if key not in fused:
         fused[key] = []
         out.append((i in native, fused[key]))

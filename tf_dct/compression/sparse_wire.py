@@ -575,7 +575,8 @@ BATCH_CAPACITY = 128
 def exchange_many(ctx: tf.distribute.ReplicaContext,
                   buffers: Sequence[tuple[tf.Tensor, tf.Tensor, int]],
                   encoding: str = "auto", presorted: bool = False,
-                  nnz: bool = False, use_native: bool = True) -> list:
+                  nnz: bool = False, use_native: bool = True,
+                  batch_capacity: int | None = None) -> list:
   """`exchange` for several vectors with one batched all-gather.
 
   Args:
@@ -589,6 +590,9 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     nnz: also count the non-zero entries of each sum.
     use_native: False keeps to stock ops even where the native kernel could
       run (`TF_DCT_NATIVE=0` turns it off everywhere).
+    batch_capacity: on the stock-op path, buffers of at most this many
+      slots share one set of ops (0: every buffer on its own); an int >= 0,
+      None: `BATCH_CAPACITY`. The sums are the same either way.
 
   Returns:
     Per vector, the dense length-n sum over replicas (same on every replica);
@@ -599,6 +603,12 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     (`tf_dct.compression.native.encode`), and after the all-gather one decodes,
     sums and counts (`tf_dct.compression.native.gather_sum`).
   """
+  if batch_capacity is None:
+    batch_capacity = BATCH_CAPACITY
+  if (isinstance(batch_capacity, bool) or not isinstance(batch_capacity, int)
+      or batch_capacity < 0):
+    raise ValueError(f"exchange_many: batch_capacity must be an int >= 0 (or None), "
+                     f"got {batch_capacity!r}")
   buffers = list(buffers)
   if not buffers:
     return ([], []) if nnz else []
@@ -616,8 +626,8 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     return (summed, counts) if nnz else summed
   # Short buffers share one set of ops (an op per buffer costs a dispatch
   # each); long ones go one by one (see BATCH_CAPACITY).
-  short = [v for v, e in enumerate(encs) if e.capacity <= BATCH_CAPACITY]
-  long = [v for v, e in enumerate(encs) if e.capacity > BATCH_CAPACITY]
+  short = [v for v, e in enumerate(encs) if e.capacity <= batch_capacity]
+  long = [v for v, e in enumerate(encs) if e.capacity > batch_capacity]
   layout = _Layout([encs[v] for v in short]) if short else None
   # One all-gather for everything: index words and 4-byte values travel in
   # one int32 stream (values bitcast), other value dtypes in one stream each.
