@@ -170,8 +170,8 @@ class Compressor(tf.Module):
       bias or a small layer, whose wire slots and indices outweigh its
       entries. The break-even size grows with the number of replicas (an
       all-gather's bytes do, an all-reduce's do not). The variable keeps
-      the compressor's momentum or Adam correction, so it is updated by the
-      same rule as the compressed ones. Decided at its first gradient and
+      the compressor's momentum, Adam or Adagrad correction, so it is
+      updated by the same rule as the compressed ones. Decided at its first gradient and
       kept (`sends_whole`). "compress": always by the compressor.
   """
 

@@ -9,7 +9,7 @@ mixins also add `communication_stats()`, a passthrough to the compressor,
 and extend `build(variables)` to create the compressor's state as well (and
 to create the optimizer's slots in the replicator's scope, wherever `build`
 is called). The tf-keras mixin also applies plain SGD to the variables whose
-momentum or Adam update the compressor runs itself
+momentum, Adam or Adagrad update the compressor runs itself
 (`Compressor.corrects_optimizer`). Both wrap the public `apply_gradients`
 (tf-keras) or `apply` (Keras 3) so that the optimizer's writes after the
 aggregation, `iterations` included, wait for it
