@@ -234,8 +234,9 @@ class NonFiniteTest(tf.test.TestCase):
         0.9, threshold_life=2, adam=True)))
 
 
-class KerasTest(tf.test.TestCase, parameterized.TestCase):
-  """Through `wrap_optimizer` with an Adam of either Keras flavour."""
+class KerasRun(tf.test.TestCase):
+  """A small model trained through `wrap_optimizer` on 2 replicas (shared
+  with test_adagrad_correction)."""
 
   def _setup(self, compressor, optimizer, replicas=2, k=tf_keras):
     repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
@@ -270,6 +271,10 @@ class KerasTest(tf.test.TestCase, parameterized.TestCase):
   def _train(self, compressor, optimizer, steps=5, k=tf_keras):
     model, opt, train = self._setup(compressor, optimizer, k=k)
     return model, opt, train(steps)
+
+
+class KerasTest(KerasRun, parameterized.TestCase):
+  """Through `wrap_optimizer` with an Adam of either Keras flavour."""
 
   @parameterized.named_parameters(
       ("tf_keras_adamw", "AdamW", tf_keras, "aggregate"),

@@ -261,6 +261,9 @@ class AsyncValidationTest(tf.test.TestCase):
     with self.assertRaisesRegex(ValueError, r"Adam correction \(adam=True\) "
                                 r"is not available here"):
       AsyncPush(object(), DCTDP(adam=True))
+    with self.assertRaisesRegex(ValueError, r"Adagrad correction \(adagrad="
+                                r"True\) is not available here"):
+      AsyncPush(object(), DCTDP(adagrad=True))
     with self.assertRaisesRegex(ValueError, r"AsyncPush: workers push on "
                                 r"their own clocks, so a sparsity_schedule"):
       AsyncPush(object(), DCTDP(sparsity_schedule=[(5, 0.9)]))

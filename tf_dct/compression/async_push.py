@@ -89,8 +89,8 @@ class AsyncPush:
   Args:
     replicator: the `tf_dct.AsyncReplicator` whose workers push.
     compressor: a `DCTDP` (its sparsity, threshold_life, capacity_factor,
-      min_size, min_count and warmup_steps are used; momentum and Adam
-      correction are not offered), or None / `Dense()` for dense
+      min_size, min_count and warmup_steps are used; momentum, Adam and
+      Adagrad correction are not offered), or None / `Dense()` for dense
       pushes of the raw gradient.
     learning_rate: the server-side SGD step (a float > 0).
     drain_every: None (off) or D > 1: drain probability 1/D per step, see the
@@ -123,6 +123,10 @@ class AsyncPush:
       raise ValueError("AsyncPush: the servers apply plain SGD pushes; Adam "
                        "correction (adam=True) is not available here, pass "
                        "DCTDP(adam=False)")
+    if isinstance(compressor, dct_dp.DCTDP) and compressor.adagrad:
+      raise ValueError("AsyncPush: the servers apply plain SGD pushes; "
+                       "Adagrad correction (adagrad=True) is not available "
+                       "here, pass DCTDP(adagrad=False)")
     from tf_dct.distribute.async_replicator import AsyncReplicator  # pylint: disable=g-import-not-at-top
     if not isinstance(replicator, AsyncReplicator):
       raise TypeError("AsyncPush needs a tf_dct.AsyncReplicator, got "

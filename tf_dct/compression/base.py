@@ -40,6 +40,7 @@ import tensorflow as tf
 from tf_dct import _private
 from tf_dct import validation
 from tf_dct.compression import accounting
+from tf_dct.compression import adagrad_correction
 from tf_dct.compression import adam_correction
 from tf_dct.compression import error_feedback
 from tf_dct.compression import momentum_correction
@@ -169,8 +170,8 @@ class Compressor(tf.Module):
       bias or a small layer, whose wire slots and indices outweigh its
       entries. The break-even size grows with the number of replicas (an
       all-gather's bytes do, an all-reduce's do not). The variable keeps
-      the compressor's momentum or Adam correction, so it is updated by the
-      same rule as the compressed ones. Decided at its first gradient and
+      the compressor's momentum, Adam or Adagrad correction, so it is
+      updated by the same rule as the compressed ones. Decided at its first gradient and
       kept (`sends_whole`). "compress": always by the compressor.
   """
 
@@ -215,6 +216,12 @@ class Compressor(tf.Module):
     self.adam_select = "normalized"
     self.adam_first_moment = "replica"
     self._adam_hparams = None
+    # Adagrad correction (`adagrad_correction`): False off; None until a
+    # Keras adapter takes (initial_accumulator_value, epsilon) from an
+    # Adagrad optimizer.
+    self.adagrad = False
+    self.adagrad_accumulator = "factored"
+    self._adagrad_hparams = None
     # The phase the step being traced runs in (`in_phase`); None: decided in
     # the graph, every step.
     self.phase = None
@@ -257,6 +264,34 @@ class Compressor(tf.Module):
     self.adam_second_moment = second_moment
     self.adam_select = adam_select
 
+  def _init_adagrad(self, adagrad, accumulator="factored") -> None:
+    """Validates and sets the Adagrad-correction options (see
+    `adagrad_correction`)."""
+    owner = type(self).__name__
+    if adagrad is not None and not isinstance(adagrad, bool):
+      raise ValueError(f"{owner}: adagrad must be None, True or False, got "
+                       f"{adagrad!r}")
+    if accumulator not in adagrad_correction.ACCUMULATORS:
+      raise ValueError(f"{owner}: adagrad_accumulator must be one of "
+                       f"{adagrad_correction.ACCUMULATORS}, got {accumulator!r}")
+    self.adagrad = adagrad
+    self.adagrad_accumulator = accumulator
+
+  def set_adagrad(self, initial_accumulator_value: float,
+                  epsilon: float) -> None:
+    """Turns Adagrad correction on with an Adagrad optimizer's
+    hyper-parameters, before any state exists (the Keras adapters call it)."""
+    if self._keys:
+      raise ValueError(f"{type(self).__name__}: Adagrad correction must be set "
+                       "before the compressor has state")
+    self._adagrad_hparams = (float(initial_accumulator_value), float(epsilon))
+
+  @property
+  def corrects_adagrad(self) -> bool:
+    """Whether Adagrad correction is on (a Keras adapter called
+    `set_adagrad`)."""
+    return self._adagrad_hparams is not None
+
   def set_adam(self, beta_1: float, beta_2: float, epsilon: float) -> None:
     """Turns Adam correction on with an Adam optimizer's hyper-parameters,
     before any state exists (the Keras adapters call it)."""
@@ -291,11 +326,13 @@ class Compressor(tf.Module):
   def corrects_optimizer(self, variable) -> bool:
     """Whether the optimizer must apply `variable`'s aggregate as plain SGD
     because the compressor keeps its momentum (`corrects_momentum`) or runs
-    its Adam update (`adam_correction`) itself."""
-    if not (self.momentum or self._adam_hparams) or self.sends_as_is(variable):
+    its Adam or Adagrad update (`adam_correction`, `adagrad_correction`)
+    itself."""
+    if (not (self.momentum or self._adam_hparams or self._adagrad_hparams)
+        or self.sends_as_is(variable)):
       return False
     state = self.state_for(variable)
-    return "velocity" in state or "adam_m" in state
+    return any(key in state for key in ("velocity", "adam_m", "adagrad_acc"))
 
   # -- phases -------------------------------------------------------------------
 
@@ -742,6 +779,11 @@ class Compressor(tf.Module):
                 state[what] = self.per_replica_state(
                     tf.zeros(shape, var.dtype),
                     name=state_name(self.name, var, what))
+            if state and self._adagrad_hparams:  # Adagrad correction's acc
+              state["adagrad_acc"] = self.per_replica_state(
+                  tf.fill(var.shape, tf.cast(self._adagrad_hparams[0],
+                                             var.dtype)),
+                  name=state_name(self.name, var, "adagrad_acc"))
             self.state[key] = state
             if self._replicator is not None:  # statistics too, so they restore
               self.accounting.ensure(self, key, var.name.split(":")[0],
@@ -954,6 +996,64 @@ class Compressor(tf.Module):
         results[i] = tf.identity(d)
     return results
 
+  def _adagrad_before(self, ctx, grads, variables, states):
+    """Adagrad correction before `reduce`: one all-reduce of the side
+    channel of every dense corrected gradient, the accumulator updated and
+    the gradient scaled by Adagrad's step. Returns the gradients to compress
+    and {position: new accumulator} for `_adagrad_after`."""
+    mode = self.adagrad_accumulator
+    picked = [i for i, st in enumerate(states) if "adagrad_acc" in st
+              and not isinstance(grads[i], tf.IndexedSlices)]
+    if not picked:
+      return list(grads), {}
+    parts = [adam_correction.side_channel(grads[i], variables[i], mode)
+             for i in picked]
+    sizes = [adam_correction.side_channel_size(variables[i], mode)
+             for i in picked]
+    dtype = parts[0].dtype
+    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(
+        [tf.cast(p, dtype) for p in parts], 0))
+    epsilon = self._adagrad_hparams[1]
+    out, pending = list(grads), {}
+    for i, piece in zip(picked, tf.split(summed, sizes)):
+      var, st = variables[i], states[i]
+      second = adam_correction.second_moment(
+          tf.cast(piece, var.dtype), var, mode, ctx.num_replicas_in_sync)
+      acc = adagrad_correction.accumulate(
+          st["adagrad_acc"].local().read_value(), second)
+      out[i] = adagrad_correction.step(
+          tf.reshape(tf.convert_to_tensor(grads[i]), var.shape), acc, epsilon)
+      pending[i] = acc
+    return out, pending
+
+  def _adagrad_after(self, results, variables, states, pending) -> list:
+    """Writes each Adagrad-corrected variable's accumulator once the step's
+    collectives completed; embedding rows (`IndexedSlices`, no side channel)
+    run Adagrad on the aggregate."""
+    results = list(results)
+    if not self._adagrad_hparams:
+      return results
+    epsilon = self._adagrad_hparams[1]
+    done = error_feedback.gate(results)  # no state moves on a rejected step
+    for i, st in enumerate(states):
+      if "adagrad_acc" not in st or results[i] is None:
+        continue
+      var = variables[i]
+      sent = tf.reshape(tf.convert_to_tensor(results[i]), var.shape)
+      if i in pending:  # the replicas' scaled gradients: applied as they are
+        acc, d = pending[i], sent
+        self._add_reduce_bytes(var, adam_correction.side_channel_size(
+            var, self.adagrad_accumulator) * var.dtype.size)
+      else:
+        acc = adagrad_correction.accumulate(
+            st["adagrad_acc"].local().read_value(), tf.square(sent))
+        d = adagrad_correction.step(sent, acc, epsilon)
+      with tf.control_dependencies(done):
+        write = st["adagrad_acc"].local().assign(acc)
+      with tf.control_dependencies([write]):
+        results[i] = tf.identity(d)
+    return results
+
   def _add_reduce_bytes(self, variable, extra: int) -> None:
     records = getattr(self._recording, "records", None)
     key = self._keys.get(variable.ref())
@@ -1048,12 +1148,16 @@ class Compressor(tf.Module):
         self._check_driven()
       kept_grads, adam_pending = self._adam_before(ctx, kept_grads, kept_vars,
                                                    kept_states)
+      kept_grads, adagrad_pending = self._adagrad_before(
+          ctx, kept_grads, kept_vars, kept_states)
       dense_phase = self.phase is not None and self.phase_is_dense(self.phase)
       out_kept = (self._reduce_kept(ctx, kept_grads, kept_vars, kept_states,
                                     [True] * len(kept) if dense_phase else whole)
                   if kept else [])
       self._mask_velocities(pending, out_kept)
       out_kept = self._adam_after(out_kept, kept_vars, kept_states, adam_pending)
+      out_kept = self._adagrad_after(out_kept, kept_vars, kept_states,
+                                     adagrad_pending)
       if undo:
         out_kept = self._undo_if_non_finite(ctx, undo, out_kept)
       out_kept = iter(out_kept)

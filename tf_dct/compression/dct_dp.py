@@ -303,6 +303,15 @@ class DCTDP(Compressor):
       summed together on the stock-op path; 0: each on its own; None
       (default): `sparse_wire.BATCH_CAPACITY`. An int >= 0; a speed
       setting, the sums are the same.
+    adagrad: Adagrad correction (`adagrad_correction`): the compressor runs
+      Adagrad itself, with an accumulator fed every step through Adam
+      correction's side channel, and error feedback on the Adagrad-scaled
+      gradient; the optimizer applies the corrected variables as plain SGD.
+      False (default): off; None: on with an Adagrad optimizer (tf-keras or
+      Keras 3, `wrap_optimizer`); True: required.
+    adagrad_accumulator: "factored" (default; the side channel of
+      `adam_second_moment="factored"`) or "exact" (a dense all-reduce; for
+      measurements).
 
   docs/dct_dp.md states the exact conventions.
   """
@@ -320,6 +329,8 @@ class DCTDP(Compressor):
                adam: bool | None = None, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
+               adagrad: bool | None = False,
+               adagrad_accumulator: str = "factored",
                sparsity_schedule: Sequence[tuple[int, float]] = (),
                sparse_gradients: str = "auto",
                dense_gradients: str = "auto",
@@ -348,6 +359,7 @@ class DCTDP(Compressor):
     self._init_momentum(momentum, momentum_masking)
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)
+    self._init_adagrad(adagrad, adagrad_accumulator)
     if index_encoding != "auto" and index_encoding not in sparse_wire.ENCODINGS:
       raise ValueError(f"DCTDP: index_encoding must be 'auto' or one of "
                        f"{sparse_wire.ENCODINGS}, got {index_encoding!r}")

@@ -330,6 +330,7 @@ class DEFT(Compressor):
     adam, adam_second_moment, adam_select, adam_first_moment: Adam
       correction, as in `DCTDP`, but off by default: with DEFT's norm-based
       budget it trained worse than without it in our runs (docs/quality.md).
+    adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP`.
 
   See the module docstring for the exact conventions.
   """
@@ -341,6 +342,8 @@ class DEFT(Compressor):
                adam: bool | None = False, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
+               adagrad: bool | None = False,
+               adagrad_accumulator: str = "factored",
                sparse_gradients: str = "auto",
                dense_gradients: str = "auto"):
     super().__init__(name=name, exclude=exclude,
@@ -351,6 +354,7 @@ class DEFT(Compressor):
     self._init_momentum(momentum, momentum_masking)
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)
+    self._init_adagrad(adagrad, adagrad_accumulator)
     self.density = float(_check("density", density, numbers.Real, 0, True, 1))
     self.min_size = int(_check("min_size", min_size, numbers.Integral, 0, False))
     self.warmup_steps = int(_check("warmup_steps", warmup_steps,

@@ -83,6 +83,8 @@ class ErrorFeedbackCompressor(Compressor):
       correction, as in `DCTDP` (off by default here and in TopK: with
       exactly k entries a step it was no better overall than without it in
       our runs, docs/quality.md).
+    adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP` (off
+      by default).
   """
 
   # Further per-variable scalars of the state, of the variable's dtype;
@@ -95,6 +97,8 @@ class ErrorFeedbackCompressor(Compressor):
                adam: bool | None = False, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
+               adagrad: bool | None = False,
+               adagrad_accumulator: str = "factored",
                sparse_gradients: str = "auto",
                dense_gradients: str = "auto"):
     super().__init__(name=name, exclude=exclude,
@@ -103,6 +107,7 @@ class ErrorFeedbackCompressor(Compressor):
     self._init_momentum(momentum, momentum_masking)
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)
+    self._init_adagrad(adagrad, adagrad_accumulator)
     self.min_size = int(self._check("min_size", min_size, numbers.Integral, 0,
                                     False))
     self.warmup_steps = int(self._check("warmup_steps", warmup_steps,

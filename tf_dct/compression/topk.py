@@ -94,6 +94,8 @@ class TopK(ErrorFeedbackCompressor):
                adam_second_moment: str = "factored",
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
+               adagrad: bool | None = False,
+               adagrad_accumulator: str = "factored",
                sparse_gradients: str = "auto",
                dense_gradients: str = "auto"):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
@@ -102,6 +104,7 @@ class TopK(ErrorFeedbackCompressor):
                      adam_second_moment=adam_second_moment,
                      adam_select=adam_select,
                      adam_first_moment=adam_first_moment,
+                     adagrad=adagrad, adagrad_accumulator=adagrad_accumulator,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
     self.density = float(self._check("density", density, numbers.Real, 0, True,

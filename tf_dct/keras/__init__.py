@@ -9,7 +9,7 @@ mixins also add `communication_stats()`, a passthrough to the compressor,
 and extend `build(variables)` to create the compressor's state as well (and
 to create the optimizer's slots in the replicator's scope, wherever `build`
 is called). The tf-keras mixin also applies plain SGD to the variables whose
-momentum or Adam update the compressor runs itself
+momentum, Adam or Adagrad update the compressor runs itself
 (`Compressor.corrects_optimizer`). Both wrap the public `apply_gradients`
 (tf-keras) or `apply` (Keras 3) so that the optimizer's writes after the
 aggregation, `iterations` included, wait for it
@@ -263,6 +263,39 @@ def _resolve_adam(optimizer, compressor: Compressor) -> None:
         owner, name)
 
 
+def _adagrad_hparams(optimizer):
+  """(initial_accumulator_value, epsilon) of an Adagrad optimizer, else
+  None."""
+  if type(optimizer).__name__ != "Adagrad":
+    return None
+  try:
+    return tuple(float(getattr(optimizer, name))
+                 for name in ("initial_accumulator_value", "epsilon"))
+  except (TypeError, ValueError, AttributeError):  # e.g. a callable value
+    return None
+
+
+def _resolve_adagrad(optimizer, compressor: Compressor) -> None:
+  """Settles the compressor's Adagrad correction for this optimizer.
+
+  `adagrad=None` turns it on with an Adagrad optimizer (tf-keras or Keras
+  3): the compressor then runs Adagrad itself
+  (`tf_dct.compression.adagrad_correction`) and the optimizer applies the
+  corrected variables as plain SGD. `adagrad=True` requires one.
+  """
+  if compressor.adagrad is False:
+    return
+  hparams = _adagrad_hparams(optimizer)
+  if hparams is not None:
+    compressor.set_adagrad(*hparams)
+    return
+  if compressor.adagrad:
+    raise ValueError(
+        f"{type(compressor).__name__}: adagrad=True (Adagrad correction) needs "
+        f"an Adagrad optimizer, got {type(optimizer).__module__}."
+        f"{type(optimizer).__name__}; pass adagrad=None or False")
+
+
 def check_optimizer(optimizer) -> None:
   """Raises for an optimizer that only delegates to another one.
 
@@ -342,6 +375,7 @@ def wrap_optimizer(optimizer, replicator, compression: Compressor | None = None)
                      {"optimizer": type(optimizer).__name__, **compressor.config()})
   _resolve_momentum(optimizer, compressor)
   _resolve_adam(optimizer, compressor)
+  _resolve_adagrad(optimizer, compressor)
   compressor.bind(replicator)
   compressor._tf_dct_wraps = True  # pylint: disable=protected-access
   _swap_class(optimizer, mixin)

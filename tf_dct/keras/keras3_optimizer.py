@@ -19,9 +19,9 @@ def accepts(optimizer) -> bool:
 class AggregateWithCompressor:
   """Mixin placed before a Keras 3 (TF backend) optimizer class.
 
-  As in the tf-keras adapter, the variables whose momentum or Adam update
-  the compressor runs itself (`Compressor.corrects_optimizer`) are applied
-  as plain SGD.
+  As in the tf-keras adapter, the variables whose momentum, Adam or Adagrad
+  update the compressor runs itself (`Compressor.corrects_optimizer`) are
+  applied as plain SGD.
   """
 
   def build(self, variables):

@@ -19,10 +19,11 @@ def accepts(optimizer) -> bool:
 class AggregateWithCompressor:
   """Mixin placed before a tf-keras optimizer class.
 
-  With momentum or Adam correction (`Compressor.corrects_optimizer`) the
-  compressor runs the optimizer's momentum or Adam update of a variable
-  itself, so the optimizer applies what the compressor returns as plain SGD;
-  every other variable keeps the optimizer's own update.
+  With momentum, Adam or Adagrad correction
+  (`Compressor.corrects_optimizer`) the compressor runs the optimizer's
+  momentum, Adam or Adagrad update of a variable itself, so the optimizer
+  applies what the compressor returns as plain SGD; every other variable
+  keeps the optimizer's own update.
   """
 
   def build(self, var_list):

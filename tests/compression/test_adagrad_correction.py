@@ -1,0 +1,233 @@
+"""Adagrad correction in the sparsifying compressors and the Keras adapters."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+import keras
+import tf_keras
+
+import tf_dct
+from tf_dct import compression
+from tests import util
+from tests.compression import harness
+from tests.compression import test_adam_correction
+
+DCTDP = harness.compress_all(compression.DCTDP)
+TopK = harness.compress_all(compression.TopK)
+
+SHAPES = harness.SHAPES
+HPARAMS = (0.1, 1e-7)  # the Keras default initial_accumulator_value, epsilon
+
+
+def setUpModule():
+  util.setup_cpus()
+
+
+def adagrad_topk_reference(grads, k, mode, hparams=HPARAMS):
+  """Adagrad correction around top-k error feedback; grads[t][r] of one
+  variable (no ties): acc += V (the side channel's estimate of g^2), each
+  replica feeds g_r / sqrt(acc + eps) to error feedback, the direction is
+  the sum of what was sent.
+
+  Returns per step (direction, residuals, acc).
+  """
+  initial, eps = hparams
+  replicas = len(grads[0])
+  shape = np.asarray(grads[0][0]).shape
+  n = int(np.prod(shape))
+  e = [np.zeros(n) for _ in range(replicas)]
+  acc = np.full(n, initial, np.float64)
+  out = []
+  for step in grads:
+    acc = acc + test_adam_correction.second_moment_reference(
+        step, shape, mode).reshape(-1)
+    d = np.zeros(n)
+    for r in range(replicas):
+      q = np.asarray(step[r], np.float64).reshape(-1) / np.sqrt(acc + eps)
+      a = q + e[r]
+      mask = np.zeros(n, bool)
+      mask[np.argsort(-np.abs(a), kind="stable")[:k]] = True
+      d += np.where(mask, a, 0)
+      e[r] = np.where(mask, 0, a)
+    out.append((d.reshape(shape), [x.reshape(shape) for x in e],
+                acc.reshape(shape)))
+  return out
+
+
+def _with_adagrad(compressor, hparams=HPARAMS):
+  compressor.set_adagrad(*hparams)  # what wrap_optimizer does with Adagrad
+  return compressor
+
+
+class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("topk_factored", "topk", "factored", 2),
+      ("topk_exact", "topk", "exact", 2),
+      # The correction sits outside `reduce`: one DCT-DP path suffices.
+      ("dct_dp_factored", "dct", "factored", 4),
+  )
+  def test_matches_numpy_reference(self, kind, mode, replicas):
+    # density 0.2 of 30 / 17 entries: k = 6 / 4 (no floor), the same top-k
+    # for TopK and for DCT-DP refreshing tau every step (L = 1).
+    options = dict(adagrad=True, adagrad_accumulator=mode)
+    make = {
+        "topk": lambda: TopK(0.2, min_count=0, **options),
+        "dct": lambda: DCTDP(0.8, threshold_life=1, capacity_factor=1.0,
+                             density_band=None, min_count=0, **options),
+    }[kind]
+    grads = harness.continuous_gradients(6, replicas, seed=replicas)
+    _, _, variables, history = harness.run(_with_adagrad(make()), grads,
+                                           replicas)
+    for v, shape in enumerate(SHAPES):
+      k = {30: 6, 17: 4}[int(np.prod(shape))]
+      ref = adagrad_topk_reference([[g[v] for g in step] for step in grads],
+                                   k, mode)
+      for t, ((d, residuals, acc), (out, states)) in enumerate(
+          zip(ref, history)):
+        where = f"var {v} step {t}"
+        for r in range(replicas):
+          self.assertAllClose(out[r][v], d, atol=1e-5, rtol=1e-4,
+                              msg=f"direction {where}")
+          self.assertAllClose(states[v]["residual"][r], residuals[r],
+                              atol=1e-5, rtol=1e-5, msg=f"residual {where}")
+          self.assertAllClose(states[v]["adagrad_acc"][r], acc, atol=1e-6,
+                              rtol=1e-5, msg=f"accumulator {where}")
+
+  def test_error_feedback_conserves_the_scaled_gradient(self):
+    # Sum of the directions + sum_r E_r equals the sum over steps and
+    # replicas of g_r / sqrt(acc_t + eps), acc_t read from the state.
+    replicas, steps = 2, 7
+    eps = HPARAMS[1]
+    grads = harness.continuous_gradients(steps, replicas, seed=5)
+    compressor = _with_adagrad(DCTDP(0.9, threshold_life=3, min_count=2,
+                                        adagrad=True))
+    _, _, variables, history = harness.run(compressor, grads, replicas)
+    for v, shape in enumerate(SHAPES):
+      fed, sent = np.zeros(shape), np.zeros(shape)
+      for step, (out, states) in zip(grads, history):
+        acc = np.asarray(states[v]["adagrad_acc"][0], np.float64)
+        fed += sum(np.asarray(g[v], np.float64) for g in step) / np.sqrt(
+            acc + eps)
+        sent += np.asarray(out[0][v], np.float64)
+        for r in range(1, replicas):  # every replica applies the same sum
+          self.assertAllEqual(out[r][v], out[0][v])
+          self.assertAllEqual(states[v]["adagrad_acc"][r],
+                              states[v]["adagrad_acc"][0])
+      residual = sum(history[-1][1][v]["residual"])
+      self.assertGreater(np.abs(residual).max(), 0)  # something held back
+      self.assertAllClose(sent + residual, fed,
+                          atol=1e-4 * np.abs(fed).max(), rtol=0)
+      self.assertTrue(compressor.corrects_optimizer(variables[v]))
+
+
+class AccountingTest(tf.test.TestCase):
+
+  def test_the_side_channel_is_counted(self):
+    # rows + columns floats of the matrix, every entry of the vector, per
+    # replica and step, on top of what TopK sends without the correction.
+    grads = harness.continuous_gradients(2, 2, seed=3)
+    payload = {}
+    for on in (False, True):
+      comp = TopK(0.2, min_count=0, adagrad=on)
+      if on:
+        _with_adagrad(comp)
+      harness.run(comp, grads, 2)
+      stats = comp.communication_stats()["variables"]
+      payload[on] = [stats[name]["total"]["payload_bytes"]
+                     for name in ("w0", "w1")]
+    for v, side in enumerate((11 * 4, 17 * 4)):
+      self.assertAllEqual(np.asarray(payload[True][v]) - payload[False][v],
+                          [2 * side, 2 * side])
+
+
+class NonFiniteTest(tf.test.TestCase):
+
+  def test_a_non_finite_step_moves_no_state(self):
+    harness.check_non_finite(self, _with_adagrad(TopK(0.2, adagrad=True)),
+                             "TopK: non-finite gradient for variable")
+
+
+class KerasTest(test_adam_correction.KerasRun, parameterized.TestCase):
+  """Through `wrap_optimizer` with an Adagrad of either Keras flavour."""
+
+  @parameterized.named_parameters(("tf_keras", tf_keras), ("keras3", keras))
+  def test_exact_accumulator_equals_dense_when_nothing_is_held_back(self, k):
+    # density 1 sends everything: with the exact side channel the
+    # compressor's Adagrad is the optimizer's, step for step. The bias is
+    # excluded: it keeps the optimizer's own update.
+    comp = TopK(1.0, exclude=("bias",), adagrad=True,
+                adagrad_accumulator="exact")
+    model, _, ours = self._train(comp, lambda: k.optimizers.Adagrad(0.1), k=k)
+    backing = [getattr(v, "value", v) if k is keras else v
+               for v in model.trainable_variables]
+    kernels = [v for v in backing if "kernel" in v.name]
+    biases = [v for v in backing if "bias" in v.name]
+    self.assertLen(kernels, 2)
+    self.assertTrue(all(comp.corrects_optimizer(v) for v in kernels))
+    self.assertFalse(any(comp.corrects_optimizer(v) for v in biases))
+    _, _, dense = self._train(None, lambda: k.optimizers.Adagrad(0.1), k=k)
+    for a, b in zip(ours, dense):
+      for wa, wb in zip(a, b):
+        self.assertAllClose(wa, wb, atol=1e-6, rtol=1e-5)
+    self.assertGreater(np.abs(ours[-1][0] - ours[0][0]).max(), 1e-3)
+
+  def test_switched_on_by_adagrad_only(self):
+    for make, on in ((lambda: tf_keras.optimizers.Adagrad(0.1), True),
+                     (lambda: tf_keras.optimizers.Adam(1e-3), False),
+                     (lambda: tf_keras.optimizers.SGD(0.1), False)):
+      comp = DCTDP(adagrad=None)
+      model, _, _ = self._setup(comp, make())  # build creates the state
+      self.assertEqual(on, all("adagrad_acc" in comp.state_for(v)
+                               for v in model.trainable_variables))
+    for comp in (DCTDP(), compression.TopK(0.1), compression.DEFT()):
+      model, _, _ = self._setup(comp, tf_keras.optimizers.Adagrad(0.1))
+      self.assertFalse(any(comp.corrects_optimizer(v)
+                           for v in model.trainable_variables))
+
+  def test_checkpoint_restore_leaves_the_trajectory_unchanged(self):
+    comp = DCTDP(0.8, threshold_life=2, adagrad=True)
+    model, opt, train = self._setup(comp, tf_keras.optimizers.Adagrad(0.1))
+    train(3)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+    path = ckpt.save(os.path.join(tempfile.mkdtemp(), "ckpt"))
+    var = model.trainable_variables[0]
+    self.assertGreater(np.abs(comp.state_values(var)["adagrad_acc"][0]).max(),
+                       HPARAMS[0])
+    first = train(3)
+    for st in comp.state.values():
+      for key in ("adagrad_acc", "residual"):
+        for v in st[key].variables_per_replica:
+          v.assign(tf.zeros_like(v) + 7.0)
+    ckpt.restore(path)
+    again = train(3)
+    for a, b in zip(first, again):
+      for wa, wb in zip(a, b):
+        self.assertAllEqual(wa, wb)
+
+  def test_bad_settings_are_rejected(self):
+    for kwargs, pattern in (({"adagrad": "yes"}, r"adagrad must be None, True "
+                             r"or False, got 'yes'"),
+                            ({"adagrad_accumulator": "full"},
+                             r"adagrad_accumulator must be one of "
+                             r"\('factored', 'exact'\), got 'full'")):
+      for cls in (compression.DCTDP, compression.TopK, compression.DEFT):
+        with self.assertRaisesRegex(ValueError, f"{cls.__name__}: {pattern}"):
+          cls(**kwargs)
+    with self.assertRaisesRegex(ValueError, r"DCTDP: adagrad=True .* needs an "
+                                r"Adagrad optimizer"):
+      self._setup(DCTDP(adagrad=True), tf_keras.optimizers.SGD(0.1))
+    comp = DCTDP()
+    self._setup(comp, tf_keras.optimizers.SGD(0.1))
+    with self.assertRaisesRegex(ValueError, "DCTDP: Adagrad correction must "
+                                "be set before the compressor has state"):
+      comp.set_adagrad(*HPARAMS)
+
+
+if __name__ == "__main__":
+  tf.test.main()
