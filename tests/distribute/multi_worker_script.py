@@ -152,6 +152,9 @@ def main() -> None:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_keras  # pylint: disable=g-import-not-at-top
   import tf_dct  # pylint: disable=g-import-not-at-top
+  from tf_dct import _private  # pylint: disable=g-import-not-at-top
+  # As in tests/conftest.py: no autotune threads to wait for after a fit.
+  _private.per_device_iterators_without_autotune()
   out["timings"]["import"] = time.monotonic() - t0
 
   t0 = time.monotonic()
