@@ -268,7 +268,7 @@ def per_device_iterators_without_autotune() -> None:
   iterator (when `fit` returns, or when its owner is collected) waits for
   those threads, which sleep up to a minute between optimizations. With
   fixed buffer sizes there is nothing for them to tune. Idempotent;
-  process-wide (the test suite calls it once per process).
+  process-wide (the tests and their worker scripts call it at start).
   """
   from tensorflow.python.data.ops import multi_device_iterator_ops as mdi  # pylint: disable=g-import-not-at-top
   create = mdi._create_device_dataset  # pylint: disable=protected-access
