@@ -47,6 +47,11 @@ def pytest_collection_finish(session):
   (only cycles among them would stay, and these objects stay anyway).
   """
   del session
+  # Every distributed dataset's per-device iterators would start tf.data
+  # autotune threads, and freeing the iterator waits for them (stalls of
+  # 5-60 s after a fit or a custom loop); see the function's docstring.
+  from tf_dct import _private  # pylint: disable=g-import-not-at-top
+  _private.per_device_iterators_without_autotune()
   gc.collect()
   gc.freeze()
 

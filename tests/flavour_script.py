@@ -86,6 +86,9 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
 
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_dct  # pylint: disable=g-import-not-at-top
+  from tf_dct import _private  # pylint: disable=g-import-not-at-top
+  # As in tests/conftest.py: no autotune threads to wait for after a fit.
+  _private.per_device_iterators_without_autotune()
   from tf_dct import compression  # pylint: disable=g-import-not-at-top
   from tf_dct import dct_mp  # pylint: disable=g-import-not-at-top
 
@@ -485,6 +488,11 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
   flush()
   if args.multi_worker:  # leave only once no peer may be in a collective
     multi_worker_util.wait_for_peers(args.result_dir, 2)
+  # Skip interpreter teardown: destroying what TensorFlow still holds
+  # (distributed iterators, gRPC threads) can keep a normal exit waiting.
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

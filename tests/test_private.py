@@ -1,6 +1,9 @@
 """Fails loudly when a private TF / Keras API that tf_dct pins has drifted."""
 
+from unittest import mock
+
 import tensorflow as tf
+from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
 from tensorflow.python.eager import context
 
 import tf_dct
@@ -103,6 +106,27 @@ class PrivateApiTest(tf.test.TestCase):
       self.assertEqual(ctx.coordination_service.cluster_register_timeout_in_ms, 2500)
     finally:
       ctx._coordination_service_config = saved  # pylint: disable=protected-access
+
+  def test_per_device_iterators_without_autotune(self):
+    _private.per_device_iterators_without_autotune()
+    _private.per_device_iterators_without_autotune()   # idempotent
+    create = mdi._create_device_dataset  # pylint: disable=protected-access
+    self.assertFalse(hasattr(create.__wrapped__, "__wrapped__"))  # wrapped once
+    made = []
+
+    def spy(*args, **kwargs):
+      made.append(create(*args, **kwargs))
+      return made[-1]
+
+    repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"])
+    dataset = tf.data.Dataset.range(8).batch(4)
+    with mock.patch.object(mdi, "_create_device_dataset", spy):
+      got = [util.local(repl, batch)
+             for batch in repl.experimental_distribute_dataset(dataset)]
+    self.assertLen(made, 2)   # one per device, neither autotuned
+    self.assertEqual([d.options().autotune.enabled for d in made], [False] * 2)
+    self.assertEqual([[b.tolist() for b in step] for step in got],
+                     [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
 
   def test_run_independently_takes_a_stateful_op_out_of_program_order(self):
     stamps = {}

@@ -8,6 +8,7 @@ one place instead of silently changing behaviour elsewhere.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 
@@ -257,6 +258,33 @@ def inbound_layers(layer) -> list:
   return out
 
 
+def per_device_iterators_without_autotune() -> None:
+  """Makes the per-device side of every `MultiDeviceIterator` skip autotune.
+
+  `multi_device_iterator_ops._create_device_dataset` builds each device's
+  side (a fixed-size prefetch of what the host iterator hands out) as a new
+  dataset with default options, whatever the input's options say, so each
+  per-device iterator starts a tf.data autotune thread. Destroying the
+  iterator (when `fit` returns, or when its owner is collected) waits for
+  those threads, which sleep up to a minute between optimizations. With
+  fixed buffer sizes there is nothing for them to tune. Idempotent;
+  process-wide (the tests and their worker scripts call it at start).
+  """
+  from tensorflow.python.data.ops import multi_device_iterator_ops as mdi  # pylint: disable=g-import-not-at-top
+  create = mdi._create_device_dataset  # pylint: disable=protected-access
+  if getattr(create, "_tf_dct_without_autotune", False):
+    return
+
+  @functools.wraps(create)
+  def create_without_autotune(*args, **kwargs):
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return create(*args, **kwargs).with_options(options)
+
+  create_without_autotune._tf_dct_without_autotune = True  # pylint: disable=protected-access
+  mdi._create_device_dataset = create_without_autotune  # pylint: disable=protected-access
+
+
 def check() -> None:
   """Raises AssertionError if a private API we rely on has drifted."""
   from tensorflow.python.framework import auto_control_deps as acd  # pylint: disable=g-import-not-at-top
@@ -321,6 +349,16 @@ def check() -> None:
   assert "self._replica_id_in_sync_group" in src, (
       "ReplicaContext.replica_id_in_sync_group no longer wraps "
       "_replica_id_in_sync_group")
+  from tensorflow.python.data.ops import multi_device_iterator_ops as mdi  # pylint: disable=g-import-not-at-top
+  create = mdi._create_device_dataset  # pylint: disable=protected-access
+  create = getattr(create, "__wrapped__", create)  # the original, if wrapped
+  assert list(inspect.signature(create).parameters) == [
+      "prototype_ds", "incarnation_id", "prefetch_buffer_size",
+      "experimental_slack"], "_create_device_dataset signature changed"
+  for cls in (mdi.MultiDeviceIterator, mdi.OwnedMultiDeviceIterator):
+    assert "_create_device_dataset(" in inspect.getsource(cls), (
+        f"{cls.__name__} no longer builds its per-device datasets with "
+        "multi_device_iterator_ops._create_device_dataset")
   from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
   assert callable(getattr(control_flow_util, "GraphOrParentsInXlaContext", None)), (
       "control_flow_util.GraphOrParentsInXlaContext is gone")

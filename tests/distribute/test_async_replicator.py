@@ -183,7 +183,8 @@ class AsyncReplicatorTest(tf.test.TestCase):
                           atol=1e-5 * np.abs(drained).max())
       self.assertAllEqual(r["residual_w_drained"], np.zeros_like(r["w"]))
     self.assertEqual(record["plain"]["stats"]["drains"], 0)
-    # drain_every=20 over 200 steps: 10 drains expected (binomial, sd ~3).
+    # drain_every=10 over 100 steps: 10 drains expected (binomial, sd 3).
+    self.assertEqual(acs.CONSERVE_STEPS // acs.DRAIN_EVERY, 10)
     self.assertBetween(record["drain"]["stats"]["drains"], 2, 25)
 
   def test_tf_keras_fit(self):

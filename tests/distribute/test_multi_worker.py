@@ -257,8 +257,9 @@ class MultiWorkerTest(tf.test.TestCase):
       self.assertEqual(s["wrapped_class"], "SGD")
 
   def test_every_compressor_conserves_mass_across_a_checkpoint(self):
-    # 200 steps of SGD(lr=1) on the 2 worker processes, checkpoint + scramble
-    # + restore at step 100: applied + what both workers hold == all gradients.
+    # CONSERVATION_STEPS steps of SGD(lr=1) on the 2 worker processes,
+    # checkpoint + scramble + restore half-way: applied + what both workers
+    # hold == all gradients.
     sections = self.section("conservation")
     self.assertLen(sections, 2)
     names = list(mws.conservation_compressors(compression))
