@@ -187,10 +187,9 @@ class TimedJob(train.Job):
     super()._after_step(loss, train_metrics, evaluate)
 
 
-def record_gradient_types(optimizer) -> dict[str, str]:
-  """{variable name: type of the gradient handed to the compressor}, filled when
+def record_gradient_types(compressor) -> dict[str, str]:
+  """{variable name: type of the gradient handed to `compressor`}, filled when
   the step is traced (e.g. the embedding table's: IndexedSlices or Tensor)."""
-  compressor = optimizer._tf_dct_compressor  # pylint: disable=protected-access
   aggregate = compressor.aggregate
   types: dict[str, str] = {}
 
@@ -216,7 +215,7 @@ def main(argv=None) -> None:
                  compressor=DensifiedDense() if args.config == "dense" else None)
   job.setup()
   table = job.model.get_layer("embeddings").embeddings
-  grad_types = record_gradient_types(job.optimizer)
+  grad_types = record_gradient_types(job.compressor)
   summary = job.run()
   start, end = job.window["start"], job.window["end"]
   timed = args.steps - args.warmup_steps
