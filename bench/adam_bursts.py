@@ -14,8 +14,8 @@ every T-th step and 0 otherwise (bursts), both followed by `--tail` steps of
 zero gradient (so that momentum a burst already gave still counts), and
 prints the displacement of the burst run divided by the dense run's, for
 several T. It is the mechanism
-behind the loss gap of Adam-trained runs in docs/benchmarks.md (end-to-end
-section); it does not model the interplay of many coordinates.
+behind the loss gap of Adam-trained runs in docs/performance.md (end-to-end
+runs); it does not model the interplay of many coordinates.
 
 Usage:
   python bench/adam_bursts.py                  # ~10 s

@@ -36,7 +36,7 @@ is one frame), packets, CPU time per step, link utilization (wire bytes /
 steps, and step time and test loss against native (stock TF) first, then
 against dense, of the same run. The accounting's own bytes are also set
 against what stock TF would send for the same gradients ("stock /
-accounting"). Results: docs/benchmarks.md.
+accounting"). Results and method: docs/performance.md.
 
 Needs root (namespaces, veth, tc); refuses to start otherwise. Namespaces and
 worker process groups are removed on exit, error, Ctrl-C and SIGTERM (workers

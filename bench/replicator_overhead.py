@@ -366,9 +366,6 @@ def main(argv):
   sides = [ours, raw]
   if FLAGS.reference:
     sides.append(build_reference(raw, x, y, global_batch, lr))
-  print("collective key base: ours "
-        f"{getattr(ours.strategy, '_collective_key_base', '?')}, raw "
-        f"{getattr(raw.strategy, '_collective_key_base', '?')}")
 
   if FLAGS.check_steps > 0:
     diff = check_same_update(sides, FLAGS.check_steps)

@@ -22,8 +22,6 @@ import os
 import pathlib
 import sys
 import tempfile
-import time
-import traceback
 
 import numpy as np
 
@@ -105,21 +103,9 @@ def main() -> None:  # pylint: disable=too-many-locals,too-many-statements
   kernel0, bias0 = initial_weights()
   tmp = tempfile.mkdtemp(prefix="tf_dct_flavour_")
 
-  def section(name):
-    def decorator(fn):
-      if (name in MULTI_WORKER_SECTIONS) != args.multi_worker:
-        return fn
-      t, cpu = time.monotonic(), time.process_time()
-      try:
-        out["sections"][name] = multi_worker_util.to_json(fn())
-      except Exception:  # pylint: disable=broad-except
-        out["errors"][name] = traceback.format_exc()
-        print(f"section {name} failed:\n{out['errors'][name]}", file=sys.stderr,
-              flush=True)
-      out["timings"][name] = (time.monotonic() - t, time.process_time() - cpu)
-      flush()
-      return fn
-    return decorator
+  section = multi_worker_util.sections(
+      out, flush, include=lambda name: (
+          (name in MULTI_WORKER_SECTIONS) == args.multi_worker))
 
   def local(value):
     return [multi_worker_util.to_json(v) for v in repl.experimental_local_results(value)]

@@ -1,4 +1,10 @@
-"""The rooms of docs/architecture.md import only what they may."""
+"""The rooms of docs/architecture.md import only what they may.
+
+`bench/` uses only public names of the project's packages: no name with a
+leading underscore imported from, or read as an attribute of, a module of
+`tf_dct`, `bench`, `launch` or `models` (BENCH_ALLOWED lists the documented
+exceptions), and no library-private attribute (`_tf_dct_*`) of an object.
+"""
 
 import ast
 import pathlib
@@ -21,6 +27,11 @@ ALLOWED = {
     ("tf_dct/dct_mp/keras3_split.py", "keras"),
     ("tf_dct/dct_mp/tf_keras_split.py", "tf_keras"),
 }
+# Packages whose private names bench/ must not use.
+PROJECT_PACKAGES = ("tf_dct", "bench", "launch", "models")
+# (file, dotted name): private names bench/ may use, each with its reason.
+# Empty: every bench script goes through public functions.
+BENCH_ALLOWED: dict[tuple[str, str], str] = {}
 # Attribute names of strategies that other rooms read only through accessors.
 STRATEGY_NAMES = ("replicator", "repl", "strategy", "extended")
 
@@ -38,6 +49,54 @@ def _imports(tree: ast.AST) -> set[str]:
 
 def _matches(module: str, prefix: str) -> bool:
   return module == prefix or module.startswith(prefix + ".")
+
+
+def _private(name: str) -> bool:
+  return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(tree: ast.AST) -> list[tuple[int, str]]:
+  """(line, dotted name) of every private name of PROJECT_PACKAGES that
+  `tree` imports or reads as an attribute of an imported module, and of
+  every `_tf_dct*` attribute it reads."""
+  bound, found = {}, []
+
+  def project(module: str) -> bool:
+    return any(_matches(module, p) for p in PROJECT_PACKAGES)
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if project(a.name):
+          if any(map(_private, a.name.split("."))):
+            found.append((node.lineno, a.name))
+          if a.asname:
+            bound[a.asname] = a.name
+          else:
+            bound[a.name.split(".")[0]] = a.name.split(".")[0]
+    elif (isinstance(node, ast.ImportFrom) and node.module and not node.level
+          and project(node.module)):
+      for a in node.names:
+        dotted = f"{node.module}.{a.name}"
+        if any(map(_private, dotted.split("."))):
+          found.append((node.lineno, dotted))
+        bound[a.asname or a.name] = dotted
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.Attribute):
+      continue
+    if node.attr.startswith("_tf_dct"):
+      found.append((node.lineno, node.attr))
+      continue
+    if not _private(node.attr):
+      continue
+    chain, owner = [node.attr], node.value
+    while isinstance(owner, ast.Attribute):
+      chain.append(owner.attr)
+      owner = owner.value
+    if isinstance(owner, ast.Name) and owner.id in bound:
+      found.append((node.lineno,
+                    ".".join([bound[owner.id]] + chain[::-1])))
+  return sorted(found)
 
 
 class ArchitectureTest(tf.test.TestCase):
@@ -72,6 +131,32 @@ class ArchitectureTest(tf.test.TestCase):
                           ).lstrip("_") in STRATEGY_NAMES):
             bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.args[1].value}")
     self.assertEqual(bad, [])
+
+  def test_bench_uses_only_public_names(self):
+    bad, used = [], set()
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+      rel = path.relative_to(ROOT).as_posix()
+      for line, name in private_uses(ast.parse(path.read_text())):
+        if (rel, name) in BENCH_ALLOWED:
+          used.add((rel, name))
+        else:
+          bad.append(f"{rel}:{line} {name}")
+    self.assertEqual(bad, [])
+    self.assertEqual(sorted(set(BENCH_ALLOWED) - used), [],
+                     "BENCH_ALLOWED lists uses that are gone")
+
+  def test_the_bench_check_finds_private_names(self):
+    tree = ast.parse(
+        "import os\nimport tf_dct\nimport tf_dct._private\n"
+        "from bench.studies import dct_table1_mp as t1\n"
+        "from launch.train import _helper, Job\n"
+        "def f(opt, flags):\n"
+        "  t1._floats('1'); t1.run(); os._exit(0); flags._child\n"
+        "  tf_dct.compression._x.y; opt._tf_dct_compressor; Job.__name__\n")
+    self.assertEqual([name for _, name in private_uses(tree)], [
+        "tf_dct._private", "launch.train._helper",
+        "bench.studies.dct_table1_mp._floats", "_tf_dct_compressor",
+        "tf_dct.compression._x"])
 
   def test_the_check_finds_a_forbidden_import(self):
     tree = ast.parse("def f():\n  from tf_dct.compression import DCTDP\n")

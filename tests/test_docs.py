@@ -7,12 +7,15 @@ TensorFlow runs only in the subprocess of the README example.
 * Every relative link of README.md and docs/ points at an existing file
   (and, for a link into a markdown file, at an existing heading).
 * README.md stays a short guide, with the one test command `.ci/run` runs.
+* Every module docstring of tf_dct/ is short (MODULE_DOCSTRING_MAX_LINES);
+  conventions in detail belong in docs/.
 * The Python example of README.md's "Using it" section runs and prints a
   finite loss and a payload smaller than dense's.
 """
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import pathlib
@@ -26,6 +29,8 @@ from absl.testing import absltest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 README_MAX_LINES = 220
+# Source lines a module docstring of tf_dct/ may span, quotes included.
+MODULE_DOCSTRING_MAX_LINES = 30
 # `.ci/run` runs the README line that starts with this.
 CI_COMMAND_PREFIX = 'pip install -e ".[test]" && '
 # The README section whose ```python block must run, and what it prints.
@@ -275,6 +280,34 @@ class LinksTest(absltest.TestCase):
     pages = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
     broken = [b for page in pages for b in broken_links(page)]
     self.assertEmpty(broken, "broken links:\n" + "\n".join(broken))
+
+
+def module_docstring_lines(source: str) -> int:
+  """How many source lines the module docstring of `source` spans (0: none)."""
+  body = ast.parse(source).body
+  if (body and isinstance(body[0], ast.Expr)
+      and isinstance(body[0].value, ast.Constant)
+      and isinstance(body[0].value.value, str)):
+    return body[0].end_lineno - body[0].lineno + 1
+  return 0
+
+
+class ModuleDocstringTest(absltest.TestCase):
+
+  def test_module_docstring_lines(self):
+    self.assertEqual(module_docstring_lines('"""One line."""\nx = 1\n'), 1)
+    self.assertEqual(module_docstring_lines('"""A.\n\nB.\n"""\n'), 4)
+    self.assertEqual(module_docstring_lines("x = 1\n"), 0)
+    self.assertEqual(module_docstring_lines("# c\n\n'''A.\nB.'''\n"), 2)
+
+  def test_library_module_docstrings_are_short(self):
+    files = sorted((ROOT / "tf_dct").rglob("*.py"))
+    self.assertGreater(len(files), 30)
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in files
+            if (n := module_docstring_lines(p.read_text(encoding="utf-8")))
+            > MODULE_DOCSTRING_MAX_LINES]
+    self.assertEmpty(long, f"module docstrings over {MODULE_DOCSTRING_MAX_LINES} "
+                     "lines (move the details to docs/):\n" + "\n".join(long))
 
 
 class ReadmeTest(absltest.TestCase):

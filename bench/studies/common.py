@@ -72,6 +72,11 @@ def logical_cpus(wanted: int, strict: bool = False) -> list[str]:
   return devices[:wanted]
 
 
+def floats(text: str) -> list[float]:
+  """A `--sparsities` value as numbers: "0.9,0.95" -> [0.9, 0.95]; "none" -> []."""
+  return [float(s) for s in text.split(",") if s.strip() and s.strip() != "none"]
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
   def cell(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)

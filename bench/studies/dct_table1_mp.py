@@ -428,16 +428,11 @@ def define_training(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--seed", type=int, default=0)
 
 
-def _floats(text: str) -> list[float]:
-  """"0.9,0.95" -> [0.9, 0.95]; "none" -> []."""
-  return [float(s) for s in text.split(",") if s.strip() and s.strip() != "none"]
-
-
 def run(args: argparse.Namespace) -> common.Result:
   steps = args.steps or (250 if args.quick else 1500)
-  one = _floats(args.sparsities or ("0.9,0.98" if args.quick else
+  one = common.floats(args.sparsities or ("0.9,0.98" if args.quick else
                                     "0.75,0.9,0.95,0.98,0.995"))
-  two = _floats(args.two_split_sparsities or ("0.9" if args.quick else "0.75,0.9,0.95,0.98"))
+  two = common.floats(args.two_split_sparsities or ("0.9" if args.quick else "0.75,0.9,0.95,0.98"))
   eval_batches = args.eval_batches or (16 if args.quick else 40)
   common.logical_cpus(1, strict=True)
 

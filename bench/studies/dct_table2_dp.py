@@ -76,8 +76,8 @@ def define(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> common.Result:
   steps = args.steps or (150 if args.quick else 1000)
-  etas = t1._floats(args.sparsities or  # pylint: disable=protected-access
-                    ("0.95,0.995" if args.quick else "0.75,0.9,0.95,0.98,0.995"))
+  etas = common.floats(args.sparsities or
+                        ("0.95,0.995" if args.quick else "0.75,0.9,0.95,0.98,0.995"))
   replicas = args.replicas or 2
   life = args.threshold_life or max(1, steps // 10)
   eval_batches = args.eval_batches or (16 if args.quick else 40)

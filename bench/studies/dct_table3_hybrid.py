@@ -47,7 +47,7 @@ def define(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> common.Result:
   steps = args.steps or (120 if args.quick else 1000)
-  etas = t1._floats(args.sparsities or ("0.95" if args.quick else "0.75,0.9,0.95"))  # pylint: disable=protected-access
+  etas = common.floats(args.sparsities or ("0.95" if args.quick else "0.75,0.9,0.95"))
   life = args.threshold_life or max(1, steps // 10)
   eval_batches = args.eval_batches or (16 if args.quick else 40)
   replicas = args.replicas

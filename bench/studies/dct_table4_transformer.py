@@ -128,7 +128,7 @@ def _metrics(model, data_dir: str, max_len: int, seed: int) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> common.Result:
   steps = args.steps or (250 if args.quick else 700)
-  etas = t1._floats(args.sparsities or ("0.95" if args.quick else "0.9,0.95"))  # pylint: disable=protected-access
+  etas = common.floats(args.sparsities or ("0.95" if args.quick else "0.9,0.95"))
   counts = [int(c) for c in (args.num_splits or ("4" if args.quick else "1,2,4")).split(",")]
   sets = split_sets(args.layers)
   reinit_on = not (args.no_reinit or args.quick)

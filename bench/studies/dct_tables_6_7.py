@@ -59,7 +59,7 @@ def _paper_delta(mode: str, eta: float) -> float | None:
 
 def run(args: argparse.Namespace) -> common.Result:
   steps = args.steps or (150 if args.quick else 1500)
-  etas = t1._floats(args.sparsities or ("0.9" if args.quick else "0.5,0.75,0.9"))  # pylint: disable=protected-access
+  etas = common.floats(args.sparsities or ("0.9" if args.quick else "0.5,0.75,0.9"))
   splits = [p.strip() for p in args.splits.split(",") if p.strip()]
   eval_batches = args.eval_batches or (16 if args.quick else 40)
   rows_per_replica = args.batch_size  # one replica: the residual's rows

@@ -24,7 +24,6 @@ import os
 import pathlib
 import sys
 import time
-import traceback
 
 import numpy as np
 
@@ -114,19 +113,7 @@ def main() -> None:
   out["timings"]["connect"] = time.monotonic() - t0
   flush()
 
-  def section(name):
-    def decorator(fn):
-      t = time.monotonic()
-      try:
-        out["sections"][name] = multi_worker_util.to_json(fn())
-      except Exception:  # pylint: disable=broad-except
-        out["errors"][name] = traceback.format_exc()
-        print(f"[chief] section {name} failed:\n{out['errors'][name]}",
-              file=sys.stderr, flush=True)
-      out["timings"][name] = time.monotonic() - t
-      flush()
-      return fn
-    return decorator
+  section = multi_worker_util.sections(out, flush, label="[chief] ")
 
   x_all, y_all = regression_data()
 
@@ -160,12 +147,6 @@ def main() -> None:
       scheduled.append(repl.run(step_fn, input_fn))
     repl.join()
     return [r.fetch() for r in scheduled]
-
-  only = os.environ.get("ONLY_SECTIONS")  # debugging: "name,name" to run a subset
-  if only:
-    _orig_section = section
-    def section(name):  # pylint: disable=function-redefined
-      return _orig_section(name) if name in only.split(",") else (lambda fn: fn)
 
   if args.mode in ("train", "all"):
 

@@ -21,7 +21,6 @@ import os
 import pathlib
 import sys
 import time
-import traceback
 
 import numpy as np
 
@@ -161,19 +160,7 @@ def main() -> None:
   repl = tf_dct.MultiWorkerReplicator()
   out["timings"]["create"] = time.monotonic() - t0
 
-  def section(name):
-    def decorator(fn):
-      t = time.monotonic()
-      try:
-        out["sections"][name] = multi_worker_util.to_json(fn())
-      except Exception:  # pylint: disable=broad-except
-        out["errors"][name] = traceback.format_exc()
-        print(f"[worker {index}] section {name} failed:\n{out['errors'][name]}",
-              file=sys.stderr, flush=True)
-      out["timings"][name] = time.monotonic() - t
-      flush()
-      return fn
-    return decorator
+  section = multi_worker_util.sections(out, flush, label=f"[worker {index}] ")
 
   def local(value):
     return [multi_worker_util.to_json(v) for v in repl.experimental_local_results(value)]

@@ -12,6 +12,9 @@ Worker side (the script):
     ...
     multi_worker_util.write_result(args.result_dir, {...})
 
+or, for a script of named scenarios, `section = multi_worker_util.sections(
+out, flush)` and `@section("name")` above each scenario (see `sections`).
+
 A parameter-server cluster (1 chief running a script, workers and ps tasks
 serving with `python -m launch.ps_cluster --serve`):
 
@@ -49,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -99,6 +103,42 @@ def to_json(value):
   if isinstance(value, np.generic):
     return value.item()
   return value
+
+
+def sections(out: dict, flush, label: str = "",
+             include=lambda name: True):
+  """The `@section(name)` decorator of a worker script's scenarios.
+
+  A decorated function runs at once, where it is defined. Its return value
+  goes to `out["sections"][name]` (through `to_json`), or, if it raises, the
+  traceback to `out["errors"][name]` and to stderr, so one failing scenario
+  does not stop the next; `out["timings"][name]` gets its (wall, CPU)
+  seconds, and `flush()` writes `out` after each. A scenario runs only if
+  `include(name)` is true and, when the environment variable
+  `ONLY_SECTIONS` ("name,name") is set for debugging, it names it.
+  `label` ("[worker 1] ") starts the stderr line.
+  """
+  only = os.environ.get("ONLY_SECTIONS")
+  chosen = set(only.split(",")) if only else None
+
+  def section(name: str):
+    def decorator(fn):
+      if not include(name) or (chosen is not None and name not in chosen):
+        return fn
+      wall, cpu = time.monotonic(), time.process_time()
+      try:
+        out["sections"][name] = to_json(fn())
+      except Exception:  # pylint: disable=broad-except
+        out["errors"][name] = traceback.format_exc()
+        print(f"{label}section {name} failed:\n{out['errors'][name]}",
+              file=sys.stderr, flush=True)
+      out["timings"][name] = (time.monotonic() - wall,
+                              time.process_time() - cpu)
+      flush()
+      return fn
+    return decorator
+
+  return section
 
 
 def result_path(result_dir, index: int, task_type: str = "worker"

@@ -17,18 +17,23 @@ from tests import util
 
 
 def named_replicators(*names: str
-                      ) -> list[tuple[str, Callable[[], tf_dct.distribute.ReplicatorMixin]]]:
-  """(name, factory) pairs, all or those `names`; call the factory in the test."""
+                      ) -> list[tuple[str, Callable[..., tf_dct.distribute.ReplicatorMixin]]]:
+  """(name, factory) pairs, all or those `names`; call the factory in the test.
+
+  A factory passes its keyword arguments on to the replicator's constructor
+  (e.g. `input_replication=tf_dct.PER_REPLICA`).
+  """
 
   def devices(n):
     return util.setup_cpus()[:n]
 
   kinds = [
-      ("one_device", lambda: tf_dct.Replicator(devices(1))),
-      ("four_devices", lambda: tf_dct.Replicator(devices(4))),
-      ("two_by_two", lambda: tf_dct.Replicator(devices(4), num_devices_per_replica=2)),
-      ("xla", lambda: tf_dct.Replicator(devices(1), jit_compile=True)),
-      ("multi_worker_local", tf_dct.MultiWorkerReplicator),
+      ("one_device", lambda **kw: tf_dct.Replicator(devices(1), **kw)),
+      ("four_devices", lambda **kw: tf_dct.Replicator(devices(4), **kw)),
+      ("two_by_two", lambda **kw: tf_dct.Replicator(
+          devices(4), num_devices_per_replica=2, **kw)),
+      ("xla", lambda **kw: tf_dct.Replicator(devices(1), jit_compile=True, **kw)),
+      ("multi_worker_local", lambda **kw: tf_dct.MultiWorkerReplicator(**kw)),
   ]
   unknown = set(names) - {name for name, _ in kinds}
   if unknown:

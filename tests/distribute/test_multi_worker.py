@@ -5,7 +5,8 @@ TF_CONFIG workers (bounded by WORKER_TIMEOUT seconds); every test method then
 checks one section of what the workers recorded against numpy references.
 A failed run fails each test with the workers' stderr tails.
 
-`TfConfigValidationTest` and `RunWorkersTest` need no TensorFlow cluster.
+`TfConfigValidationTest`, `SectionsTest` and `RunWorkersTest` need no
+TensorFlow cluster.
 """
 
 from __future__ import annotations
@@ -439,6 +440,32 @@ class TfConfigValidationTest(tf.test.TestCase):
         tf_dct.MultiWorkerReplicator()
     with self.assertRaisesRegex(NotImplementedError, "num_devices_per_replica=1"):
       tf_dct.MultiWorkerReplicator(num_devices_per_replica=2)
+
+
+class SectionsTest(tf.test.TestCase):
+  """The `@section(name)` decorator the worker scripts share."""
+
+  def test_results_errors_filters_and_flushes(self):
+    out = {"sections": {}, "errors": {}, "timings": {}}
+    flushes = []
+    with mock.patch.dict(os.environ, {"ONLY_SECTIONS": "ok,fails,excluded"}):
+      section = multi_worker_util.sections(
+          out, lambda: flushes.append(sorted(out["timings"])),
+          include=lambda name: name != "excluded")
+    ran = []
+    for name, value in (("ok", lambda: ran.append("ok") or np.float32(2.5)),
+                        ("fails", lambda: ran.append("fails") or 1 / 0),
+                        ("excluded", lambda: ran.append("excluded")),
+                        ("not_chosen", lambda: ran.append("not_chosen"))):
+      self.assertIs(section(name)(value), value)
+    self.assertEqual(ran, ["ok", "fails"])
+    self.assertEqual(out["sections"], {"ok": 2.5})
+    self.assertEqual(list(out["errors"]), ["fails"])
+    self.assertIn("ZeroDivisionError", out["errors"]["fails"])
+    self.assertEqual(flushes, [["ok"], ["fails", "ok"]])
+    for wall, cpu in out["timings"].values():
+      self.assertGreaterEqual(wall, 0.0)
+      self.assertGreaterEqual(cpu, 0.0)
 
 
 class RunWorkersTest(tf.test.TestCase):

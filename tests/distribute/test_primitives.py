@@ -1,4 +1,5 @@
-"""Tests for tf_dct.distribute.primitives on 4 replicas, each against a numpy reference."""
+"""Tests for tf_dct.distribute.primitives against numpy references, on every
+replicator kind of `replicator_test_utils.named_replicators`."""
 
 import re
 
@@ -6,11 +7,11 @@ from absl.testing import parameterized
 import keras
 import numpy as np
 import tensorflow as tf
-import tf_keras
 
 import tf_dct
 from tf_dct.distribute import primitives
 from tests import util
+from tests.distribute import replicator_test_utils
 
 N = 4
 
@@ -25,7 +26,109 @@ def _values(r):
   return {"a": a, "b": (np.array([r, -r, 2 * r], np.int32),)}
 
 
-class PrimitivesTest(tf.test.TestCase, parameterized.TestCase):
+def _global_batch(n):
+  """The PER_WORKER element whose split along axis 0 gives replica r `_values(r)`."""
+  vals = [_values(r) for r in range(n)]
+  return {"a": np.concatenate([v["a"] for v in vals]),
+          "b": (np.concatenate([v["b"][0] for v in vals]),)}
+
+
+def _expected(n):
+  """What `_primitives_step` returns on every replica of n, from numpy."""
+  vals = [_values(r) for r in range(n)]
+  a = np.stack([v["a"] for v in vals])
+  b = np.stack([v["b"][0] for v in vals])
+  squares = np.sum(a ** 2, axis=2)  # map_reduce's fn, per replica
+  return {
+      "all_reduce_sum": a.sum(0), "all_reduce_mean": a.mean(0),
+      "all_reduce_max": a.max(0), "all_reduce_min": a.min(0),
+      "all_reduce_int_max": b.max(0),
+      "all_sum": {"a": a.sum(0), "b": (b.sum(0),)},
+      "all_gather_0": np.concatenate(list(a), axis=0),
+      "all_gather_1": np.concatenate(list(a), axis=1),
+      "all_gather_-1": np.concatenate(list(a), axis=-1),
+      "all_gather_unequal": np.concatenate(
+          [np.full([r + 1, 2], float(r), np.float32) for r in range(n)]),
+      "broadcast_first": vals[0], "broadcast_last": vals[n - 1],
+      "broadcast_bool": vals[n - 1]["a"] > 2.0,
+      "map_reduce_sum": squares.sum(0), "map_reduce_max": squares.max(0),
+      "map_gather": (a.max(axis=(1, 2)), b[:, :2]),
+      "grad_all_sum": np.full([2, 3], float(n), np.float32),
+  }
+
+
+def _primitives_step(repl, n):
+  """A step function calling every primitive once per variant."""
+
+  def step_fn(v):
+    r = repl.local_replica_index()
+    x = v["a"]
+    with tf.GradientTape(persistent=True) as tape:
+      tape.watch(x)
+      total = tf.reduce_sum(repl.all_sum(x))
+      from_last = tf.reduce_sum(repl.broadcast(x, n - 1))
+    out = {f"all_reduce_{op}": repl.all_reduce({"a": x}, op)["a"]
+           for op in ("sum", "mean", "max", "min")}
+    out.update({f"all_gather_{axis}": repl.all_gather(x, axis=axis)
+                for axis in (0, 1, -1)})
+    squares = lambda t: tf.reduce_sum(t["a"] ** 2, axis=1)
+    out.update({
+        "all_reduce_int_max": repl.all_reduce(v["b"][0], "max"),
+        "all_sum": repl.all_sum(v),
+        # Replica r contributes r + 1 rows.
+        "all_gather_unequal": repl.all_gather(tf.fill([r + 1, 2], float(r))),
+        "broadcast_first": repl.broadcast(v, 0),
+        "broadcast_last": repl.broadcast(v, n - 1),
+        "broadcast_bool": repl.broadcast(x > 2.0, n - 1),
+        "map_reduce_sum": repl.map_reduce(squares, v, "sum"),
+        "map_reduce_max": repl.map_reduce(squares, v, "max"),
+        "map_gather": repl.map_gather(
+            lambda t: (tf.reduce_max(t["a"]), t["b"][0][:2]), v),
+        # all_sum's gradient is the all_sum of the upstream ones; every
+        # replica's use of broadcast(x, n - 1) flows back to replica n - 1.
+        "grad_all_sum": tape.gradient(total, x),
+        "grad_broadcast": tape.gradient(from_last, x),
+    })
+    return out
+
+  return step_fn
+
+
+class PrimitivesTest(parameterized.TestCase, tf.test.TestCase):
+  """Every primitive against numpy on every replicator kind, through
+  `run(step_fn, input_fn)` (XLA-compiled for the "xla" kind)."""
+
+  # Not "two_by_two": the primitives do not depend on the devices of a
+  # replica, and that layout runs all_sum in
+  # test_replicator.PaperExamplesTest (batch norm, data and model parallel).
+  @parameterized.named_parameters(*replicator_test_utils.named_replicators(
+      "one_device", "four_devices", "xla", "multi_worker_local"))
+  def test_every_primitive_matches_numpy(self, make_replicator):
+    repl = make_replicator()
+    n = repl.num_replicas_in_sync
+    step_fn = _primitives_step(repl, n)
+    input_fn = lambda ctx: tf.data.Dataset.from_tensors(_global_batch(n))
+    got = util.local(repl, repl.run(step_fn, input_fn))
+    if repl.jit_compile:
+      # jit_compile=True makes any op XLA cannot compile an error, so running
+      # the step proves it; check the step really is an XLA function too.
+      step = repl._steps[(step_fn, input_fn)]  # pylint: disable=protected-access
+      self.assertTrue(step.replicated_step._jit_compile)  # pylint: disable=protected-access
+    self.assertLen(got, n)
+    want = _expected(n)
+    for r, out in enumerate(got):
+      for key, value in want.items():
+        compare = (self.assertAllClose if key == "all_reduce_mean"
+                   else self.assertAllEqual)
+        tf.nest.map_structure(lambda g, w, k=key, c=compare: c(g, w, msg=k),
+                              out[key], value)
+      self.assertAllEqual(out["grad_broadcast"], np.full(
+          [2, 3], float(n) if r == n - 1 else 0.0), msg="grad_broadcast")
+
+
+class FourReplicasTest(tf.test.TestCase, parameterized.TestCase):
+  """What needs several replicas of one process: Keras 3 variables, errors,
+  replicas that disagree."""
 
   @classmethod
   def setUpClass(cls):
@@ -43,39 +146,11 @@ class PrimitivesTest(tf.test.TestCase, parameterized.TestCase):
     for got in results:
       tf.nest.map_structure(self.assertAllEqual, got, want)
 
-  @parameterized.parameters(("sum", np.sum), ("mean", np.mean), ("max", np.max),
-                            ("min", np.min))
-  def test_all_reduce(self, op, np_op):
-    want = {"a": np_op(np.stack([_values(r)["a"] for r in range(N)]), axis=0)}
-    got = self._run(lambda v: self.repl.all_reduce({"a": v["a"]}, op))
-    for g in got:
-      self.assertAllClose(g["a"], want["a"], rtol=1e-6)
-
-  def test_all_reduce_int_max(self):
-    want = np.max(np.stack([_values(r)["b"][0] for r in range(N)]), axis=0)
-    self._all_equal(self._run(lambda v: self.repl.all_reduce(v["b"][0], "max")), want)
-
-  def test_all_sum_nested(self):
-    want = tf.nest.map_structure(lambda *xs: np.sum(np.stack(xs), axis=0),
-                                 *[_values(r) for r in range(N)])
-    self._all_equal(self._run(self.repl.all_sum), want)
-
-  @parameterized.parameters(0, 1, -1)
-  def test_all_gather(self, axis):
-    want = np.concatenate([_values(r)["a"] for r in range(N)], axis=axis)
-    self._all_equal(self._run(lambda v: self.repl.all_gather(v["a"], axis=axis)), want)
-
-  def test_all_gather_unequal_sizes(self):
-    # Replica r contributes r + 1 rows.
-    def fn(v):
-      r = self.repl.local_replica_index()
-      return self.repl.all_gather(tf.fill([r + 1, 2], float(r)), axis=0)
-    want = np.concatenate([np.full([r + 1, 2], float(r), np.float32) for r in range(N)])
-    self._all_equal(self._run(fn), want)
-
   def test_a_keras3_variable_as_its_tf_variable(self):
-    # Eagerly too: TF's own eager all_gather returns a Keras 3 variable as it is.
-    repl = self.repl
+    # Eagerly too: TF's own eager all_gather returns a Keras 3 variable as it
+    # is. Two replicas: each eager call runs every replica's collectives.
+    repl = tf_dct.Replicator(util.setup_cpus()[:2])
+    n = repl.num_replicas_in_sync
     with repl.scope():
       v = keras.Variable(np.arange(6, dtype=np.float32).reshape(2, 3), name="v")
     calls = {
@@ -89,51 +164,11 @@ class PrimitivesTest(tf.test.TestCase, parameterized.TestCase):
     for name, call in calls.items():
       want = util.local(repl, repl.run(call, args=(v.value,)))
       got = util.local(repl, repl.run(call, args=(v,)))
-      self.assertLen(got, N)
+      self.assertLen(got, n)
       for g, w in zip(got, want):
         self.assertAllEqual(g, w, msg=name)
       if name == "all_gather":
-        self.assertAllEqual(got[0], np.tile(v.numpy(), [N, 1]))
-
-  @parameterized.parameters(0, 2, 3)
-  def test_broadcast(self, source):
-    self._all_equal(self._run(lambda v: self.repl.broadcast(v, source)), _values(source))
-
-  def test_broadcast_bool(self):
-    def fn(v):
-      return self.repl.broadcast(v["a"] > 2.0, 1)
-    self._all_equal(self._run(fn), _values(1)["a"] > 2.0)
-
-  def test_map_reduce(self):
-    fn = lambda x: tf.reduce_sum(x["a"] ** 2, axis=1)
-    want = np.sum([np.sum(_values(r)["a"] ** 2, axis=1) for r in range(N)], axis=0)
-    got = self._run(lambda v: self.repl.map_reduce(fn, v, "sum"))
-    for g in got:
-      self.assertAllClose(g, want, rtol=1e-6)
-    want_max = np.max([np.sum(_values(r)["a"] ** 2, axis=1) for r in range(N)], axis=0)
-    self._all_equal(self._run(lambda v: self.repl.map_reduce(fn, v, "max")), want_max)
-
-  def test_map_gather(self):
-    fn = lambda x: (tf.reduce_max(x["a"]), x["b"][0][:2])
-    want = (np.stack([np.max(_values(r)["a"]) for r in range(N)]),
-            np.stack([_values(r)["b"][0][:2] for r in range(N)]))
-    self._all_equal(self._run(lambda v: self.repl.map_gather(fn, v)), want)
-
-  def test_gradients(self):
-    # d/dx_r sum_s(all_sum(x)^2 summed) and broadcast: flows back per semantics.
-    def fn(v):
-      x = v["a"]
-      with tf.GradientTape(persistent=True) as tape:
-        tape.watch(x)
-        total = tf.reduce_sum(self.repl.all_sum(x))
-        from_source = tf.reduce_sum(self.repl.broadcast(x, 2))
-      return tape.gradient(total, x), tape.gradient(from_source, x)
-    got = self._run(fn)
-    for r, (g_sum, g_bcast) in enumerate(got):
-      # all_sum's gradient is the all_sum of upstream ones: N everywhere.
-      self.assertAllEqual(g_sum, np.full([2, 3], float(N)))
-      # Every replica uses x_2; all gradient reaches replica 2.
-      self.assertAllEqual(g_bcast, np.full([2, 3], float(N) if r == 2 else 0.0))
+        self.assertAllEqual(got[0], np.tile(v.numpy(), [n, 1]))
 
   def test_errors(self):
     with self.assertRaisesRegex(RuntimeError, r"all_sum\(\) must be called inside step_fn"):
@@ -188,69 +223,6 @@ class PrimitivesTest(tf.test.TestCase, parameterized.TestCase):
       n = tf.cast(-v["a"][0, 0], tf.int32) + 1
       return self.repl.all_sum(tf.fill(tf.stack([n, 2]), 1.0)[:1])
     self._all_equal(self._run(unknown_rows), np.full([1, 2], float(N)))
-
-
-class XlaTest(tf.test.TestCase):
-  """TPU-readiness proxy: each primitive and a wrapped optimizer step compile.
-
-  TF's Mirrored strategy cannot XLA-compile multi-replica CPU collectives (it
-  needs merge_call), so the whole step is compiled on a one-replica
-  Replicator: every op our code adds around the collectives goes through XLA.
-  """
-
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.repl = tf_dct.Replicator(["/cpu:0"], jit_compile=True)
-
-  def _assert_compiled(self, step):
-    # jit_compile=True makes any op XLA cannot compile an error, so running
-    # the step proves it; check the step really is an XLA function too.
-    self.assertTrue(step.replicated_step._jit_compile)  # pylint: disable=protected-access
-
-  def test_every_primitive_compiles(self):
-    repl = self.repl
-    x = np.arange(6, dtype=np.float32).reshape(2, 3)
-
-    def step_fn(v):
-      return {
-          "all_reduce_max": repl.all_reduce(v, "max"),
-          "all_reduce_mean": repl.all_reduce(v, "mean"),
-          "all_sum": repl.all_sum(v),
-          "all_gather": repl.all_gather(v, axis=1),
-          "broadcast": repl.broadcast(v, 0),
-          "map_reduce": repl.map_reduce(lambda t: t * 2.0, v, "min"),
-          "map_gather": repl.map_gather(tf.reduce_sum, v),
-      }
-
-    out = repl.run(step_fn, lambda ctx: tf.data.Dataset.from_tensors(x).repeat())
-    step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
-    self._assert_compiled(step)
-    for key in ("all_reduce_max", "all_reduce_mean", "all_sum", "broadcast"):
-      self.assertAllEqual(out[key], x)
-    self.assertAllEqual(out["map_reduce"], 2 * x)
-    self.assertAllEqual(out["map_gather"], [x.sum()])
-
-  def test_wrapped_optimizer_step_compiles(self):
-    repl = self.repl
-    with repl.scope():
-      model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(1)])
-      opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(0.1))
-    w0 = [w.copy() for w in model.get_weights()]
-    data = (np.ones([4, 3], np.float32), np.ones([4, 1], np.float32))
-
-    def step_fn(batch):
-      xb, yb = batch
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model(xb) - yb))
-      grads = tape.gradient(loss, model.trainable_variables)
-      opt.apply_gradients(zip(grads, model.trainable_variables))
-      return loss
-
-    input_fn = lambda ctx: tf.data.Dataset.from_tensors(data).repeat()
-    repl.run(step_fn, input_fn)
-    self._assert_compiled(repl._steps[(step_fn, input_fn)])  # pylint: disable=protected-access
-    self.assertNotAllClose(model.get_weights()[0], w0[0])
 
 
 class OutsideStrategyTest(tf.test.TestCase):

@@ -1,4 +1,6 @@
-"""Tests for tf_dct.distribute.replicator: run(step_fn, input_fn), logical_device, paper examples."""
+"""Tests for tf_dct.distribute.replicator: run(step_fn, input_fn), logical_device,
+paper examples; what every replicator kind shares runs on each
+(`replicator_test_utils.named_replicators`)."""
 
 from absl.testing import parameterized
 import numpy as np
@@ -18,6 +20,47 @@ def _rows(n, width=3):
   return np.arange(n * width, dtype=np.float32).reshape(n, width)
 
 
+class InputReplicationTest(parameterized.TestCase, tf.test.TestCase):
+  """`run(step_fn, input_fn)` feeds every replicator kind alike."""
+
+  @parameterized.named_parameters(*replicator_test_utils.named_replicators())
+  def test_per_worker_dataset_is_split_on_batch_and_advances(self, make_replicator):
+    repl = make_replicator()
+    n = repl.num_replicas_in_sync
+    data = _rows(4 * n)
+    ds = tf.data.Dataset.from_tensor_slices(data).batch(2 * n)
+    input_fn = lambda ctx: ds
+    traces = []
+
+    def step_fn(x):
+      traces.append(1)
+      return x
+
+    first = util.local(repl, repl.run(step_fn, input_fn))
+    second = util.local(repl, repl.run(step_fn, input_fn))
+    for r in range(n):
+      self.assertAllEqual(first[r], data[2 * r:2 * r + 2])
+      self.assertAllEqual(second[r], data[2 * n + 2 * r:2 * n + 2 * r + 2])
+    self.assertLen(traces, n)  # traced once (one trace per replica), then cached
+    with self.assertRaises(tf.errors.OutOfRangeError):
+      repl.run(step_fn, input_fn)
+
+  @parameterized.named_parameters(*replicator_test_utils.named_replicators())
+  def test_per_replica_input_fn_called_once_per_replica(self, make_replicator):
+    repl = make_replicator(input_replication=tf_dct.PER_REPLICA)
+    n = repl.num_replicas_in_sync
+    calls = []
+
+    def input_fn(replica_id):
+      calls.append(replica_id)
+      return tf.data.Dataset.from_tensors(
+          {"id": tf.constant([replica_id])}).repeat()
+
+    out = util.local(repl, repl.run(lambda x: x["id"] * 10, input_fn))
+    self.assertEqual(calls, list(range(n)))
+    self.assertEqual([o.tolist() for o in out], [[10 * r] for r in range(n)])
+
+
 class RunTest(tf.test.TestCase):
 
   def setUp(self):
@@ -27,25 +70,6 @@ class RunTest(tf.test.TestCase):
   def test_is_a_builtin_strategy(self):
     self.assertIsInstance(self.repl, tf.distribute.MirroredStrategy)
     self.assertEqual(self.repl.num_replicas, 4)
-
-  def test_per_worker_dataset_is_split_on_batch_and_advances(self):
-    data = _rows(16)
-    ds = tf.data.Dataset.from_tensor_slices(data).batch(8)
-    input_fn = lambda ctx: ds
-    traces = []
-
-    def step_fn(x):
-      traces.append(1)
-      return x
-
-    first = util.local(self.repl, self.repl.run(step_fn, input_fn))
-    second = util.local(self.repl, self.repl.run(step_fn, input_fn))
-    for r in range(4):
-      self.assertAllEqual(first[r], data[2 * r:2 * r + 2])
-      self.assertAllEqual(second[r], data[8 + 2 * r:8 + 2 * r + 2])
-    self.assertLen(traces, 4)  # traced once (one trace per replica), then cached
-    with self.assertRaises(tf.errors.OutOfRangeError):
-      self.repl.run(step_fn, input_fn)
 
   def test_recreated_input_fn_warns(self):
     ds = tf.data.Dataset.from_tensor_slices(_rows(16)).batch(8)
@@ -67,19 +91,6 @@ class RunTest(tf.test.TestCase):
     self.assertIsInstance(seen[0], tf.distribute.InputContext)
     self.assertEqual(seen[0].num_replicas_in_sync, 4)
     self.assertEqual(seen[0].get_per_replica_batch_size(8), 2)
-
-  def test_per_replica_input_fn_called_once_per_replica(self):
-    repl = tf_dct.Replicator(input_replication=tf_dct.PER_REPLICA)
-    calls = []
-
-    def input_fn(replica_id):
-      calls.append(replica_id)
-      return tf.data.Dataset.from_tensors(
-          {"id": tf.constant([replica_id])}).repeat()
-
-    out = util.local(repl, repl.run(lambda x: x["id"] * 10, input_fn))
-    self.assertEqual(calls, [0, 1, 2, 3])
-    self.assertEqual([o.tolist() for o in out], [[0], [10], [20], [30]])
 
   def test_callable_source_and_nested_structure(self):
     counter = tf.Variable(0.0)
@@ -226,10 +237,14 @@ def _dense_model(seed, sizes=(4, 3, 1)):
 class PaperExamplesTest(parameterized.TestCase, tf.test.TestCase):
   """The three snippets of TF-Replicator §3.2–3.4, checked against numpy."""
 
+  # Each Keras step costs seconds to trace, so not every kind: "one_device"
+  # is one replica as "xla" and "multi_worker_local" are, and
+  # test_data_and_model_parallel wraps optimizers on 2 x 2 devices.
   @parameterized.named_parameters(*replicator_test_utils.named_replicators(
-      "four_devices", "multi_worker_local"))
+      "four_devices", "xla", "multi_worker_local"))
   def test_multi_optimizer_step(self, make_replicator):
-    # §3.2: two losses, two optimizers in one step_fn (D4PG-style critic/actor).
+    # §3.2: two losses, two optimizers in one step_fn (D4PG-style critic/actor),
+    # each wrapped by wrap_optimizer.
     repl = make_replicator()
     rng = np.random.default_rng(0)
     obs = rng.normal(size=(8, 4)).astype(np.float32)
@@ -258,6 +273,9 @@ class PaperExamplesTest(parameterized.TestCase, tf.test.TestCase):
 
     input_fn = lambda ctx: tf.data.Dataset.from_tensors((obs, target))
     per_replica = repl.run(step_fn, input_fn)
+    if repl.jit_compile:  # an op XLA cannot compile fails the step
+      step = repl._steps[(step_fn, input_fn)]  # pylint: disable=protected-access
+      self.assertTrue(step.replicated_step._jit_compile)  # pylint: disable=protected-access
     total_critic = repl.reduce("sum", per_replica[0], axis=None)
 
     with tf.GradientTape(persistent=True) as tape:

@@ -1,74 +1,20 @@
 """Communication accounting: bytes moved, density, thresholds, selection time.
 
-Byte model (ring collectives, what each replica moves per step):
+A compressor declares, per variable and step, the bytes it all-gathers (P)
+and all-reduces (M). With ring collectives over n replicas each replica then
+sends and receives (n - 1) * P bytes for the all-gather and 2 (n - 1) / n * M
+for the all-reduce; its payload is P + M. Two baselines are priced beside
+them: what stock TensorFlow's `MultiWorkerMirroredStrategy` moves for the
+same gradients (`stock_*`: dense gradients all-reduced, `IndexedSlices`
+all-gathered row by row) and the DCT paper's all-reduce of every gradient
+densified (`dense_*`).
 
-* all-gather of P bytes per replica over n replicas: every replica sends and
-  receives (n - 1) * P bytes.
-* all-reduce of M bytes: every replica sends and receives 2 (n - 1) / n * M
-  bytes (reduce-scatter then all-gather).
-
-P counts everything a replica puts into the gather: index words (positions, or
-per-chunk counts and offsets), values, and the padding of unused slots. A
-compressor declares, per variable and step, the bytes it gathers (P) and
-all-reduces (M); the sent / received bytes follow from the model above. With
-one replica nothing moves (0 bytes each way). Payload bytes are P + M: what
-this replica contributes, as a worker would upload it to a parameter server
-(DCT's production setting).
-
-Two baselines are priced per variable and step, each as payload and as ring
-bytes (sent = received):
-
-* stock (`stock_payload_bytes`, `stock_bytes`): what TensorFlow's own
-  `MultiWorkerMirroredStrategy` moves for the gradient as it reaches the
-  compressor, i.e. what a user without tf-dct runs. TF 2.21
-  (`CollectiveAllReduce._all_reduce` in `cross_device_ops.py`,
-  `CollectiveReplicaLauncher.all_reduce_indexed_slices` in
-  `cross_device_utils.py`) all-reduces dense gradients, packed together:
-  M = 4N for float32. An `IndexedSlices` gradient (an embedding lookup's:
-  one row per looked-up id, duplicates included) is all-gathered instead:
-  first its row count (`tf.shape` of the row ids, one int32: 4 bytes), then,
-  when the counts of all replicas agree, the values and the row ids as they
-  are; otherwise both padded to the largest count. P = 4 + rows * (row
-  values + one row id), the row id in the gradient's index dtype (int32 for
-  tf-keras embeddings of int32 ids, int64 for int64 ids). The largest count
-  is another replica's number, which only a collective could tell; the count
-  priced is this replica's own, so the padding, which TF adds only when
-  counts differ (not with tf-dct's even batch split of fixed-shape inputs),
-  is left out: with unequal counts the figure is low by (largest - own)
-  rows. `indexed_slices_payload` prices a known largest count.
-* densified (`dense_payload_bytes`, `dense_bytes`): the ring all-reduce of
-  every gradient as a dense tensor, IndexedSlices converted to the full
-  table, 4N and 2 (n - 1) / n * 4N for float32. The DCT paper's baseline;
-  no stock strategy sends an embedding's gradient this way.
-
-A variable a compressor sends as it is (`Compressor.reduce_as_is`) moves
-exactly the stock bytes. Both ratios, ring and payload, against either
-baseline, can be read from the statistics.
-
-Density of a variable is nnz(aggregated update) / N, where nnz counts the
-non-zero entries of the cross-replica sum (N for dense steps by definition);
-the global density is sum nnz / sum N over the variables of the step. The
-local density is the entries this replica sent / N.
-
-Selection time is measured with `tf.timestamp()` around a compressor's
-selection ops: one span per replica and step around the selection of all its
-variables, recorded with the step's first compressed variable (read it from
-the totals, not per variable). Inside a `tf.function` TensorFlow runs
-stateful ops without resource inputs, such as `Timestamp`, in program order.
-Per-variable timers made each variable's selection wait for the previous
-one's (measured on bench/compression.py's model: 2.97x Dense step time with
-per-variable timers, 2.41x without timers). Across replicas, which share one
-graph under MirroredStrategy, one replica's span started only after the
-previous replica's had ended, so the replicas' selections ran one after
-another. The timestamps are therefore taken outside that order
-(`_private.run_independently`): each waits only for the tensors it times.
-DCT-DP's native kernel times itself, and a step whose selection is all
-native has no timestamps. `tf.timestamp` has no XLA kernel, so when the
-replicator compiles steps with XLA (`jit_compile=True`) the time is recorded
-as 0 and no summaries are written (the summary ops have no XLA kernels
-either). The detection only sees the replicator's own flag: set
-`compressor.time_selection = False` when calling it from a function of your
-own compiled with `jit_compile=True`.
+`Accounting` keeps each variable's records in one small float64 matrix per
+replica, since every variable a step touches costs time on each call.
+Density is nnz(aggregate) / N. Selection time is one `tf.timestamp` span per
+replica and step, taken outside TensorFlow's program order so that replicas
+do not wait for each other (0 under XLA). docs/compression.md
+("Accounting") has the byte model and the baselines in full.
 """
 
 from __future__ import annotations
@@ -317,7 +263,7 @@ class Accounting(tf.Module):
   FIELDS summed over variables and the totals, the last column 0 and the
   number of aggregation steps. One variable each rather than one per row
   and counter: every variable a step touches costs a few microseconds per
-  call of the step function (docs/benchmarks.md). Everything is created the
+  call of the step function (docs/compression.md). Everything is created the
   first time a compressor reports, so compressors that never report add
   nothing to checkpoints.
   """

@@ -1,69 +1,19 @@
 """Adam correction: the compressor runs Adam, with a second moment that sees
 every step and a selection on Adam-scaled gradients.
 
-Adam divides each step by the running root mean square of a coordinate's
-gradients. Error feedback delivers a held-back coordinate in bursts (about
-T * g once every T steps instead of g every step); a burst inflates that
-root mean square by about sqrt(T), so Adam moves the coordinate about
-1 / sqrt(T) as far as dense training would (`bench/adam_bursts.py`). SGD and
-momentum are linear in the gradient and do not suffer from this.
+Error feedback delivers a held-back coordinate in bursts (about T * g once
+every T steps), which inflates Adam's root mean square by about sqrt(T): the
+coordinate moves about 1 / sqrt(T) as far as dense training would
+(`bench/adam_bursts.py`). So the compressor keeps, per replica, Adam's first
+moment of its Adam-scaled gradient, selects and feeds back error on that,
+and the optimizer applies the sum of what was sent as plain SGD. The second
+moment is fed every step by a small dense side channel (a factored, rank-1
+estimate of g^2 by default) and is equal on every replica, so the replicas
+stay identical. With nothing held back, `second_moment="exact"` and
+`select="raw"` this is tf-keras Adam step for step.
 
-Holding entries back also delays them, and under Adam a delay costs more
-than under SGD: Adam moves every coordinate about the learning rate per
-step whatever the size of its gradient, so a coordinate whose gradient is
-small (which a selection by |g| holds back longest) matters as much as a
-large one.
-
-The correction runs Adam inside the compressor. With the defaults, on
-replica r:
-
-    V = estimate of g^2 from a small dense side channel (below)
-    v <- b2 * v + (1 - b2) * V          the second moment sees every step
-    s = sqrt(1 - b2^t) / (sqrt(v) + eps)  Adam's per-entry step scale
-    q_r = g_r * s                       select="normalized"
-    m_r <- b1 * m_r + (1 - b1) * q_r    first_moment="replica"
-    d = sum over replicas of what the compressor's own rule sends of
-        m_r / (1 - b1^t), error feedback on m_r / (1 - b1^t)
-
-and the optimizer applies d as plain SGD (`var -= lr * d`), as with
-momentum correction. Selecting on q ranks entries by how far Adam would
-move them, not by the raw gradient. v and t are equal on every replica
-(they only see all-reduced values) and every replica applies the same d,
-so the replicas stay identical. With select="raw" error feedback works on
-the unscaled first moment and s is applied to d after the exchange; with
-nothing held back and second_moment="exact" that is tf-keras Adam step for
-step (tested). Variables whose gradient arrives as `tf.IndexedSlices`
-(embedding rows) get no side channel: their Adam runs on the aggregate, as
-the optimizer's own would.
-
-Second-moment side channels (`second_moment`):
-
-* "factored" (default): each replica sums its squared gradient over rows and
-  over columns of the variable seen as a matrix [prod(shape[:-1]),
-  shape[-1]], one all-reduce carries the row and column sums of every
-  corrected variable, and V is their outer product over the total (the
-  rank-1 estimate of Adafactor, Shazeer & Stern 2018). Vectors send their
-  squares as they are. It costs rows + columns floats per matrix. Scaled by
-  the replica count it is an unbiased estimate of the dense gradient's
-  square where the signal dominates; where noise dominates it is larger
-  (each replica's gradient is noisier than the sum), which only shortens
-  those steps.
-* "exact": the dense gradient itself is all-reduced and squared. It costs a
-  dense all-reduce and is meant for measuring what the factored estimate
-  loses.
-
-First moments (`first_moment`):
-
-* "replica" (default): DGC's momentum correction applied to Adam's first
-  moment, as above. m is linear, so the replicas' m_r sum to the dense m:
-  with nothing held back this is Adam with the shared v, and a held-back
-  entry accumulates the distance dense Adam would have moved it. Error
-  feedback conserves the sum of m_r / (1 - b1^t).
-* "aggregate": error feedback on q, and one m, equal on every replica,
-  averages what was sent: m <- b1 m + (1 - b1) sent, d = m / (1 - b1^t).
-  A burst released after T held-back steps is then spread by m over the
-  next ~1 / (1 - b1) steps, a further delay; it trained worse on three of
-  our four models (docs/quality.md).
+docs/compression.md ("Adam correction: the update") has the update and the
+options `second_moment`, `first_moment` and `select`.
 """
 
 from __future__ import annotations

@@ -8,52 +8,13 @@ the parameter server, where they are applied as a scatter update:
 
     w[positions] -= learning_rate * values          (plain SGD on the server)
 
-Only the selected (value, position) pairs cross the network: the flat int32
-positions and the values are cut to the number selected on the worker, and
-the server-side scatter (positions unravelled on the server's device) takes
-them as they are. Everything else stays in the worker's residual.
-
-State lives on each worker in per-worker variables (never on the servers):
-`residual` (variable shape), `threshold` and `step` per variable, plus the
-push counters of `stats()`. Steps of one worker run one at a time, so a
-worker's residual is never updated concurrently.
-
-Conventions:
-
-* Threshold life-span: as in `DCTDP`, each worker counts its own steps k per
-  variable and recomputes tau when `threshold_life` divides k (with
-  `warmup_steps`: dense while k < warmup, then every `threshold_life` steps
-  from warmup on), and, with the compressor's `density_band=(low, high)`,
-  early when the reused tau would select fewer than low * K or more than
-  high * K entries (K = n - floor(n * sparsity)); counted in
-  `early_refreshes`. Variables below `min_size` (and scalars) are pushed
-  dense.
-* Stochastic drain (Remark 2), off by default: with `drain_every=D`, on each
-  step a worker draws u ~ U[0, 1) once; when u < 1 / D that step pushes every
-  variable's whole accumulator (gradient + residual) densely and zeroes the
-  residual. In expectation one step in D drains, independently per worker.
-* Conservation (no gradient mass is lost): for every variable, at any moment
-  no step is running,
-
-      w_0 - w_T + lr * sum_workers residual_T = lr * sum_steps g_step
-
-  where the last sum runs over every gradient passed to a completed push
-  (w_0 - w_T = lr * everything pushed, each worker's residual = its
-  gradients - its pushes). It holds up to float rounding, whatever the
-  interleaving of the workers.
-* Checkpoints: the residuals are not saved. `save()` first waits for all
-  scheduled steps, then drains every worker's residual into the server
-  variables, then saves, so the checkpoint holds all gradient mass in the
-  model and a restore (`restore()`, which also zeroes the workers' state)
-  starts from residual 0 with the invariant intact. A draining save is one
-  dense push per worker per save.
-* Worker failure: a restarted worker gets fresh (zero) state, so the residual
-  the dead worker held is lost (the coordinator re-runs the interrupted step
-  on another worker). Restoring the last checkpoint recovers an exact state.
-* Accounting: per push, the bytes of the tensors that go to the servers:
-  `count * (value bytes + 4)` for a sparse push of `count` entries,
-  `n * value bytes` for a dense push. `dense_bytes` counts what dense pushes
-  of every variable would have cost.
+Everything else stays in the worker's residual, a per-worker variable (never
+on the servers). No gradient mass is lost: the server's change plus every
+worker's residual equals the pushed gradients. `save()` drains every
+residual into the model first, so a checkpoint holds all of it; a restarted
+worker starts from a zero residual. An optional stochastic drain
+(`drain_every`) pushes a worker's whole accumulator now and then.
+docs/replicators.md ("What `AsyncPush` does exactly") has the conventions.
 """
 
 from __future__ import annotations

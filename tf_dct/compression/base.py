@@ -726,7 +726,7 @@ class Compressor(tf.Module):
 
     They share one variable because every variable a step touches costs
     time on each call of the step function, whatever it holds (several
-    percent of a small model's step, docs/benchmarks.md). float64 holds
+    percent of a small model's step, docs/dct_dp.md). float64 holds
     each exactly: floats of at most 64 bits, integers below 2^53.
     """
     del variable

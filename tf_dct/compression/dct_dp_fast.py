@@ -32,7 +32,7 @@ from tf_dct.compression import native as native_ops
 # variable (faster steps and a much faster trace for models with many small
 # variables) but costs per entry: an entry finds its variable's tau through
 # a gather, and a step on which any member refreshes computes every member's
-# order statistic. docs/benchmarks.md has the measurements behind the value.
+# order statistic. docs/dct_dp.md ("What a step costs") has the measurements.
 FUSE_SIZE = 8192
 
 

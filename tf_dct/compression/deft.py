@@ -10,94 +10,11 @@ accumulator. The chosen positions do not overlap across replicas; their union
 is shared, every replica contributes its accumulator there, the sum is the
 update, and every replica clears its error at the union.
 
-Conventions (tests/compression/reference_deft.py follows them exactly):
-
-* Group. One `aggregate()` call is one "model": its compressed variables
-  (not below `min_size`) of one dtype, in call order. Variables of other
-  dtypes form groups of their own, handled one after the other. n_g counts the
-  compressed entries only, so `density` is relative to them.
-* Partition (Algorithm 2). A variable with size * n > n_g (integer test, the
-  paper's size > n_g / n) is cut into n consecutive pieces of size // n, the
-  first size % n of them one entry longer; pieces of length 0 (size < n) are
-  dropped. Other variables are one partition. This is static (Python).
-* Norms (beyond the paper). Each replica computes the float32 L2 norm of every
-  partition of its accumulator and a SUM all-reduce of that vector gives all
-  replicas the same numbers (n times the mean norm; Algorithm 3 only uses
-  ratios). Everything below is a deterministic function of them, so all
-  replicas agree on k and on the packing without a leader or a broadcast.
-* Budget. k_total = max(1, floor(n_g * density)), the product taken on the
-  decimal value of `density` (as written, like DCT-DP's m).
-* Local k (Algorithm 3). Partitions are visited by decreasing norm, ties by
-  lower partition index. norm_remain is the sum of the norms not yet visited,
-  accumulated in float32 one by one from the last visited (so it equals the
-  last partition's own norm exactly; the paper subtracts instead).
-  k_temp = k_remain * (norm / norm_remain) in float32 (0 if norm_remain is 0),
-  k_x = min(size_x, max(f, floor(k_temp))), k_remain -= k_x, where the
-  paper's floor f = 1 is raised to `min_count` (default 8, beyond the paper:
-  a partition with a small norm, e.g. a bias, would otherwise send one entry
-  a step). The last partition with a non-zero norm takes the whole
-  remainder, so sum_x k_x == k_total unless a partition is capped at its
-  size, or k_remain runs out (each later partition still gets its floor), or
-  every norm is 0: sum_x k_x <= k_total + P - 1 for f = 1 and
-  k_total + sum_x min(size_x, f) otherwise (`union_capacity`).
-* Packing (Algorithm 4). Cost c_x = size_x * max(1, log2 k_x), where log2 is
-  Mitchell's piecewise-linear approximation read exactly from the float32 bits
-  of k_x, in int64 fixed point (2^23 per octave). Integer costs make the
-  packing bit-identical on every replica, machine and in numpy. The floor of
-  1 octave charges a top-1 partition its linear scan instead of the paper's
-  log 1 = 0 (which would pile every k = 1 partition on one bin). Partitions are
-  taken by decreasing cost, ties by lower index, each onto the bin of least
-  total cost, ties by lower bin index.
-* Rotation (Algorithm 4 lines 1-2, 17). With cycle = step % n, replica r
-  takes bin (cycle + r) % n, so the heaviest bin (bin 0 takes the first,
-  largest item) moves to another replica every step. step is the step
-  counter of the group's first variable.
-* Selection (Algorithm 5). The owner runs `tf.math.top_k` on |acc| of the
-  partition and keeps the first k_x; equal magnitudes go to the lower position
-  first. Outside XLA the top-k size is k_x itself (a run-time value). Under
-  XLA shapes must be static, so the size is the smallest of a ladder of
-  static sizes (powers of two from 64, capped at K_x = min(size_x,
-  max(k_total, f)) >= k_x) that holds k_x, picked by a `tf.switch_case` at
-  run time: the sorted top-k is a prefix of any larger sorted top-k, so the kept k_x
-  positions are the same as with one top-k of K_x, at a cost of a top-k of at
-  most 2 k_x instead of K_x. Non-owners run no top-k (no collective inside
-  any branch).
-* Wire (Algorithm 1 lines 7-9). Every replica knows every k_x, so partition x
-  owns slots [o_x, o_x + k_x) of one union buffer of U (`union_capacity`)
-  int32 slots, o_x = sum of k_y for y < x. Each replica
-  writes its positions into its partitions' slots, zeros elsewhere; a SUM
-  all-reduce yields the union (unused slots hold n_g, the padding position).
-  Then each replica gathers its accumulator at the union (padding reads 0) and
-  a second SUM all-reduce of U values gives the update. Per replica and step
-  the three all-reduces carry P float32 norms + U int32 + U values; a ring
-  all-reduce of B bytes sends (and receives) 2 (n-1)/n B, so about
-  2 (n-1)/n (4 P + 8 U) bytes for float32 against 2 (n-1)/n 4 n_g dense.
-  (All-gathering per-replica buffers instead would send (n-1) U * 4 bytes for
-  the indices alone.) Nothing selected is ever dropped: sum_x k_x <= U.
-* Error feedback (lines 5, 11-12). acc = g + E; E becomes acc with the union
-  positions zeroed on every replica.
-* Dense variables and warmup. Variables with fewer than `min_size` entries
-  (or none) go through one dense SUM all-reduce and keep no state. While
-  step < warmup_steps the group sends its whole accumulator densely and
-  clears E. Traced in its phase (`Compressor.in_phase`, driven by
-  `wrap_optimizer`'s `Replicator.run` and `tf_dct.keras.phase_callback`), a
-  warm-up step issues the dense all-reduce alone and a later step the
-  sparse collectives alone. Traced without a phase, collectives cannot sit
-  in `tf.cond`, so every step issues both (zeros where unused).
-* Non-finite gradients raise: every gradient passes
-  `error_feedback.check_finite` before any state is read, and state is
-  written only after the step's collectives, which wait for every replica's
-  checks, so no replica's state advances when one replica fails. Under XLA
-  the step is undone instead (state put back, aggregate NaN), as in DCTDP.
-* IndexedSlices gradients are not densified: their rows are scatter-added
-  into a copy of the residual (`error_feedback.accumulate`), as in DCTDP.
-  Variables below `min_size` are densified (dense all-reduce).
-
-State per compressed variable and replica: `residual` (E), and `scalars`
-packing `step` (int64) and two int32 statistics of the last step: `sent`
-(entries of this variable in the union; its size on a warmup step) and
-`selected` (entries of this variable this replica chose itself); see
-`Compressor.scalar_dtypes`.
+Three all-reduces per step carry the partition norms, the union of positions
+and the values there. Every choice (partition, budget, packing, rotation,
+ties) is a deterministic function of all-reduced numbers, so the replicas
+agree without a leader. docs/sparsifiers.md fixes each convention; the numpy
+reference tests/compression/reference_deft.py follows it exactly.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ in (tests/compression/test_momentum_correction.py checks it numerically).
 Without masking and with nothing held back this is exactly momentum SGD;
 masking drops the momentum of an entry once it was sent, which DGC uses to
 keep a stale velocity from pushing an entry that was just updated in a
-burst. In our DLRM runs masking made the first steps lag several percent
-behind dense (docs/quality.md), so it is off by default.
+burst; it made training lag at the start (docs/quality.md), so it is off.
 
 Variables a compressor does not sparsify (excluded, below `min_size`) keep
 the optimizer's own momentum: the Keras adapters apply plain SGD only to the

@@ -18,12 +18,9 @@ installed TensorFlow (`tf.sysconfig`), for the machine's own CPU on x86
 (`-march=native`), into a cache directory (`$TF_DCT_CACHE`, else
 `~/.cache/tf_dct`), keyed by the source, the TensorFlow version, the flags
 and the CPU's instruction-set flags. That takes about 10 s once per machine.
-When no compiler is found or the build fails, `library()` logs one warning
-and returns None, and the callers use stock ops. `TF_DCT_NATIVE=0` turns the
-kernels off without trying to build them.
-
-Only CPU kernels exist: on GPU, TPU and under XLA (`jit_compile=True`) the
-callers use stock ops, which XLA can compile.
+Without a compiler, or when the build fails, `library()` logs one warning
+and returns None and the callers use stock ops, as they do on GPU, TPU and
+under XLA (only CPU kernels exist); `TF_DCT_NATIVE=0` turns them off.
 """
 
 from __future__ import annotations

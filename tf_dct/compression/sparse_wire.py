@@ -1,48 +1,21 @@
 """Fixed-size sparse wire format shared by the sparsifying compressors.
 
 A replica that keeps only some entries of a flat vector of length `n` packs
-them into two buffers of a static length `capacity`:
+them into two buffers of a static length `capacity`: `idx` (int32, the flat
+positions in increasing order; unused slots hold `n`) and `val` (their
+values; unused slots hold 0), plus an int32 `count`. Every shape is static,
+so the same code runs under XLA. Packing is a prefix sum over the mask;
+entries that do not fit are reported (`compact`) so the caller keeps them in
+its residual. The exchange all-gathers every replica's buffers and
+scatter-adds them into a dense vector of length `n + 1`, whose last slot
+takes the padding and is cut off.
 
-* `idx` (int32[capacity]): the flat positions of the packed entries, in
-  increasing order; unused slots hold `n`, one past the last valid position.
-* `val` (float[capacity]): their values; unused slots hold 0.
-
-plus an int32 `count` of the used slots. Every shape is known when the graph is
-built, so the same code runs under XLA (`jit_compile=True`, TPU): no
-single-argument `tf.where`, no `tf.boolean_mask`, no sort.
-
-Packing is a prefix sum over the mask (O(n)): a selected entry goes to slot
-"number of selected entries before it" (a binary search of the prefix sums
-per slot, or under XLA a scatter of the selected entries). Selected entries
-whose slot would be `>= capacity` do not fit; `compact` reports which entries
-fitted so the caller can keep the rest (e.g. in an error-feedback residual)
-instead of losing them.
-
-Exchange all-gathers every replica's buffers and scatter-adds them into a dense
-vector of length `n + 1`; slot `n` collects the padding and is cut off, so
-padding never contributes, and positions chosen by several replicas are summed.
-
-Index encodings. Positions travel as int32 words (collectives move no 8- or
-16-bit integers), in one of these layouts, chosen per (n, capacity):
-
-* "int32": one word per slot, the position itself (padding = n).
-* "chunk16" / "chunk8": the vector is cut into chunks of 65536 / 256 entries.
-  A slot carries only its offset inside its chunk (2 / 1 bytes); which chunk
-  it belongs to follows from per-chunk counts sent ahead of the offsets (1, 2
-  or 4 bytes each: the narrowest that holds min(chunk, capacity)). Offsets and
-  counts are packed four bytes to an int32 word, so the words on the wire
-  really are fewer. Needs the positions in increasing order with the padding
-  last, which `compact` produces; `exchange_many` sorts other buffers first.
-
-"auto" takes the layout with the fewest words (ties: int32, chunk16, chunk8).
-`wire_bytes` is what one replica contributes to the all-gather: the index
-words plus the value slots, padding included.
-
-`exchange_many` sends every buffer of a step in one all-gather, and handles
-the short ones (at most `BATCH_CAPACITY` slots, e.g. biases) with one set of
-ops for all of them (`_Layout`), so a model with hundreds of small variables
-does not pay a few dozen op dispatches per variable. The words are the same
-either way; only their order inside the all-gather differs.
+Positions travel as int32 words, either one per slot ("int32") or as offsets
+inside chunks of 65536 / 256 entries packed four bytes to a word, with
+per-chunk counts ahead ("chunk16" / "chunk8"); "auto" takes the fewest
+words. `exchange_many` sends a step's buffers in one all-gather and handles
+the short ones (at most `BATCH_CAPACITY` slots) with one set of ops.
+docs/compression.md ("The sparse wire format") describes the layouts.
 """
 
 from __future__ import annotations

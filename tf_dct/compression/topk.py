@@ -8,31 +8,9 @@ n replicas ("gradient build-up", DEFT §1 and §3.1). The exchange is DCT-DP's:
 every replica all-gathers the others' (index, value) buffers and scatter-adds
 them (DEFT Algorithm 1 lines 7-9, duplicates summed).
 
-Conventions (tests/compression/reference_baselines.py follows them exactly):
-
-* Count. A variable of n entries sends k = n - floor(n * (1 - density))
-  entries, the count DCTDP uses for sparsity 1 - density. The difference is
-  taken on the decimal value of `density` as written, so k = ceil(n * density)
-  exactly (0.07 of 100 is 7, not the 8 that binary 1 - 0.07 would give).
-* Relation to DCT-DP. The threshold is the k-th largest magnitude tau (DCT
-  Algorithm 1 lines 4-5, refreshed every step: L = 1) and every entry with
-  magnitude >= tau is selected (line 9). The wire holds C = min(n,
-  ceil(capacity_factor * k)) entries. When ties at tau select more than C,
-  every entry above tau is sent and the remaining slots go to the ties in
-  flat position order (the tie rule of `tf.math.top_k`); the other ties stay
-  in the residual. So capacity_factor = 1 sends exactly the top k, and a
-  capacity that holds all ties gives exactly DCTDP(1 - density,
-  threshold_life=1) (DCTDP instead fills its capacity in flat order, which
-  may hold back an entry above tau).
-* Dense variables (`min_size`), warmup, non-finite gradients, IndexedSlices
-  gradients and the state discipline are shared with HardThreshold and CLTK
-  through `ErrorFeedbackCompressor` and behave as in DCTDP (see
-  tf_dct/compression/error_feedback_compressor.py).
-
-State per compressed variable and replica: `residual`, and `scalars`
-packing `step` (int64), `sent` and `overflow` (int32, last step, as in
-DCTDP) and `threshold` (tau of the last step); see
-`Compressor.scalar_dtypes`.
+k = ceil(n * density) on the decimal value of `density`; ties at the k-th
+magnitude fill the wire's capacity in flat position order. docs/sparsifiers.md
+fixes the conventions; tests/compression/reference_baselines.py follows them.
 """
 
 from __future__ import annotations

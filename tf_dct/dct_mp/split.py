@@ -7,60 +7,16 @@ through a callback the Keras wrapper provides, and applies one of three modes:
 * "gaussian_sketch": forward sketch, dense backward (Appendix A).
 * "xgrad_topk": dense forward, top-k + error feedback backward (Appendix A).
 
-Inference (`training` false). `apply_at_inference=None` (default) applies
-the mode at inference for "dct" and is the identity for the two baselines;
-True / False force it. Why: the layers after a DCT-MP split are trained on
-rows with only k non-zeros, and feeding them the dense row at inference shifts
-their input (unlike dropout there is no rescaling that would make the two
-agree). On the synthetic task of tests/dct_mp/test_training.py a model trained
-with DCTSplit(0.9) and evaluated densely had a 15% higher training loss than
-evaluated with the mask. The Gaussian sketch is unbiased (E[S S^T] = I), so
-its dense forward is the expected one; "xgrad_topk" is the identity forward
-anyway.
-
-Warm-up ("dct"). With `warmup_steps` W > 0 the first W training calls keep
-more than k entries per row: all d (`warmup="dense"`) or a number falling
-linearly from d to k (`warmup="linear"`, the sparsity rising from 0 to its
-target; `tf_dct.dct_mp.kept_at` is the schedule). The layers after the split then
-start from dense inputs instead of being masked from their random
-initialisation on. The count of training calls is layer state (a variable
-saved with the layer), so a restored model resumes the schedule where it
-stopped. During the warm-up the activation crosses dense both ways (and is
-accounted so); inference uses the current step's k.
-
-Device boundary. With `target_device` (a device string) or
-`target_logical_device` (an index for the `logical_device` of the tf_dct
-Replicator running the step) the output is produced on that device and only
-the compressed form crosses. Without either, the mode runs in place.
-`target_logical_device` only names a device inside a replica context of a
-tf_dct replicator (its `run`, or Keras `fit` / `evaluate` / `predict` of a
-model built in its scope). Anywhere else (the symbolic call building a
-functional model under `scope()`, an eager call, a call under another
-strategy) the layer falls back to running in place: the same values as the
-compact transfer (bit for bit), on the current device, with no device move.
-
-Error feedback ("xgrad_topk"). Each replica keeps its own residual. Built in
-the scope of a tf_dct replicator (or lazily inside its `run`), the residual is
-that replicator's `per_replica_state` (one variable per replica, each saved
-and restored under its own checkpoint key; it lives on the replica's first
-device, so with `target_logical_device` != 0 the backward reads and writes it
-across the boundary); built with no strategy, a plain variable on
-`target_device`. Other strategies with more than one replica are rejected.
-
-Accounting. Per active call (per replica), bytes that cross (or would cross)
-the boundary ("dct": forward k values + k column indices per row, the
-indices bit-packed or byte-aligned, whichever is smaller (see
-`tf_dct.dct_mp.index_wire`); backward k values per row, as both sides keep the
-forward's indices): `forward_bytes`, `backward_bytes`, and the dense
-equivalent `dense_bytes` per direction, plus running totals and the number of
-active calls. The counts are the sizes of the tensors that cross, values and
-indices; nothing else crosses when at most one axis of the input is unknown
-(with more, the shape vector also crosses, which is not counted). The
-backward bytes are set when the forward runs with training=True. If
-a default `tf.summary` writer is active and records, the first replica
-writes them as scalars `tf_dct_mp/<name>/forward_bytes`, `/backward_bytes`
-and `/dense_bytes` at `tf.summary.experimental.get_step()` (or the call
-count), one TensorBoard group for every split layer.
+By default "dct" also masks at inference: the layers after the split were
+trained on rows with k non-zeros, and a dense row would shift their input.
+With `warmup_steps` the first training calls keep more entries per row (the
+count is layer state, so a restored model resumes the schedule). With
+`target_device` or `target_logical_device` only the compressed form crosses
+to that device; outside a tf_dct replica the layer runs the same mask in
+place, bit for bit. "xgrad_topk" keeps its residual as per-replica state of
+the replicator it is built under. Per call the layer accounts the bytes that
+cross (`bytes_stats`, `tf_dct_mp/<name>/...` summaries). docs/dct_mp.md has
+each of these in full.
 """
 
 from __future__ import annotations

@@ -11,28 +11,15 @@ Semantics, for replicas r = 0..n-1 holding values x_r:
 * `all_reduce(x, op)`: op over r of x_r, op in sum | mean | max | min.
 * `all_sum(x)`: sum over r of x_r.
 * `all_gather(x, axis)`: concat([x_0, ..., x_{n-1}], axis); the sizes along
-  `axis` may differ between replicas (Mirrored strategies; TPU needs equal
-  shapes).
-* `broadcast(x, source_replica)`: x_source on every replica; the gradient of
-  every replica's use flows back to the source replica.
-* `map_reduce(fn, x, op)`: all_reduce(fn(x_r), op): each replica applies `fn`
-  to its own value, then the results are reduced.
-* `map_gather(fn, x)`: stack([fn(x_0), ..., fn(x_{n-1})], axis=0): each
-  replica applies `fn`, then the results are stacked along a new leading axis
-  in replica order (so every fn(x_r) must have the same shape).
+  `axis` may differ between replicas (not on TPU).
+* `broadcast(x, source_replica)`: x_source on every replica; gradients flow
+  back to the source replica.
+* `map_reduce(fn, x, op)`: all_reduce(fn(x_r), op).
+* `map_gather(fn, x)`: stack([fn(x_0), ..., fn(x_{n-1})], axis=0).
 
-Every replica must pass the same nested structure, dtypes and shapes (for
-`all_gather`, sizes along `axis` may differ; for `map_reduce` and
-`map_gather` this applies to fn's outputs). Where the replicas of this
-process trace their own copy of the step (Replicator, MultiWorkerReplicator),
-each primitive compares what it was given on them while the step is traced,
-before any collective runs, and raises a ValueError naming the primitive,
-the argument and every replica's dtype and shape. Dimensions unknown when
-traced (None), replicas of other worker processes, XLA-compiled steps and
-TPU replicas (one program for all cores) are not compared. A mismatch there
-fails in TensorFlow's collective when the step runs, and leaves every later
-collective of the process failing: fix the input, then restart the process
-(every worker of a multi-worker job, from the last checkpoint).
+Every replica must pass the same structure, dtypes and shapes; the replicas
+of one process are compared while the step is traced, before any collective
+runs (docs/errors.md, "Communication primitives").
 """
 
 from __future__ import annotations
@@ -216,6 +203,11 @@ def all_gather(x, axis: int = 0, *, strategy=None):
     if rank is None or not -rank <= axis < max(rank, 1):
       raise ValueError(f"axis must be in [{-(rank or 0)}, {rank}) for a "
                        f"rank-{rank} value, got {axis}")
+    if not tf.executing_eagerly() and not t.device:
+      # TF's gather places its result where the value is; a tensor made
+      # outside the replica's device scope (the step's input under
+      # MultiWorkerReplicator) has no device, so take a copy made in it.
+      t = tf.identity(t)
     return t, axis % max(rank, 1)
 
   checked = [one(t) for t in tf.nest.flatten(x)]
