@@ -1,43 +1,23 @@
 """Adagrad correction: the compressor runs Adagrad, with an accumulator that
 sees every step.
 
-Adagrad divides each step by the root of a coordinate's accumulated squared
-gradients, acc = acc0 + sum over steps of g^2. Error feedback delivers a
-held-back coordinate in bursts (about T * g once every T steps instead of g
-every step); a burst adds about T^2 g^2 to the accumulator instead of the
-T g^2 of dense training, so every later step of that coordinate is about
-sqrt(T) times shorter than dense Adagrad's, for the rest of training. SGD
-and momentum are linear in the gradient and do not suffer from this; Adam
-does, with a running mean instead of a sum (`adam_correction`).
+A held-back coordinate released as a burst of T gradients adds about
+T^2 g^2 to Adagrad's accumulator instead of dense training's T g^2, so every
+later step of it is about sqrt(T) shorter. The correction runs Adagrad
+inside the compressor, as `adam_correction` runs Adam. On replica r:
 
-The correction runs Adagrad inside the compressor, as Adam correction runs
-Adam. On replica r:
-
-    V = estimate of g^2 from the dense side channel of `adam_correction`
+    V = estimate of g^2 from the side channel of `adam_correction`
     acc <- acc + V                  the accumulator sees every step
     q_r = g_r / sqrt(acc + eps)     lr-free Adagrad step of this replica
     d = sum over replicas of what the compressor's own rule sends of q_r,
         error feedback on q_r
 
-and the optimizer applies d as plain SGD (`var -= lr * d`). Selecting on q
-ranks entries by how far Adagrad would move them. acc is equal on every
-replica (it only sees all-reduced values) and every replica applies the same
-d, so the replicas stay identical. Error feedback conserves the sum of the
-q_r fed in. acc starts at the optimizer's `initial_accumulator_value`; with
-nothing held back and the exact side channel (`accumulator="exact"`) this
-is tf-keras (and Keras 3) Adagrad step for step (tested).
-
-The side channel is Adam correction's (`adam_correction.side_channel`):
-"factored" (default) all-reduces each replica's squared gradient summed
-over rows and over columns, rows + columns floats per matrix, and V is
-their rank-1 outer product; "exact" all-reduces the dense gradient, for
-measurements. The factored V, scaled by the replica count, estimates the
-square of the summed gradient where the signal dominates; where noise
-dominates it is larger, which only shortens those steps.
-
-Variables whose gradient arrives as `tf.IndexedSlices` (embedding rows) get
-no side channel: their Adagrad runs on the aggregate (acc += d^2 on the
-rows sent), as the optimizer's own would.
+and the optimizer applies d as plain SGD (`var -= lr * d`). acc only sees
+all-reduced values, so it is equal on every replica and the replicas stay
+identical; acc starts at the optimizer's `initial_accumulator_value`. With
+nothing held back and `accumulator="exact"` this is Adagrad step for step.
+Embedding rows (`tf.IndexedSlices`) get no side channel: their Adagrad runs
+on the aggregate. docs/compression.md has the details and the measurements.
 """
 
 from __future__ import annotations
