@@ -44,9 +44,10 @@ class ReferenceStep:
   masks: list          # per replica: bool array, entries sent (after capacity)
   selected: list       # per replica: bool array, |acc| >= tau (before capacity)
   taus: list           # per replica: threshold used at this step
-  next_taus: list      # per replica: threshold the next step starts from
   residuals: list      # per replica: residual after this step
   update: np.ndarray   # sum over replicas of what was sent (float64)
+  # per replica: threshold the next step starts from
+  next_taus: list = dataclasses.field(default_factory=list)
 
 
 def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
@@ -85,7 +86,7 @@ def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
         begins, now = first, stage_sparsity
     m = reference_below(n, now, min_count)
     cap = reference_capacity(n, now, capacity_factor, min_count)
-    step = ReferenceStep([], [], [], [], [], np.zeros(n, np.float64))
+    step = ReferenceStep([], [], [], [], np.zeros(n, np.float64))
     for r in range(replicas):
       g = np.asarray(grads[r], dtype).reshape(-1)
       acc = g + residual[r]                                   # line 2

@@ -185,9 +185,15 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
                     _stock_ring_bytes(64, 4))
     self.assertNotAllClose(out[0][0][1], exact[0][1])
     if name != "DEFT":  # its figure is an estimate (`DEFT.compressed_bytes`)
+      # `compressed_bytes` prices the full capacity; with exact sizes the
+      # payload is at most that plus the step's header (the row length, the
+      # table's count, TensorFlow's length word). TopK and HardThreshold fill
+      # their capacity here, DCTDP (capacity 2K) does not.
       gather, reduce = compressor.compressed_bytes(tall)
-      self.assertEqual(stats["tall"]["last"]["payload_bytes"],
-                       [gather + reduce] * REPLICAS)
+      for payload in stats["tall"]["last"]["payload_bytes"]:
+        self.assertLessEqual(payload, gather + reduce + 3 * 4)
+        if name == "DCTDP":
+          self.assertLess(payload, gather + reduce)
     # Its residual holds what was not sent; the wide table's state is unused.
     self.assertGreater(np.abs(compressor.state_values(tall)["residual"]).sum(), 0)
     self.assertAllEqual(compressor.state_values(wide)["residual"],
@@ -320,11 +326,10 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     stats = compressor.communication_stats()["variables"]
     self.assertEqual(stats["bias"]["last"]["bytes_sent"], [32] * REPLICAS)
     # The kernel, the only exchanged vector, sends its used slots (capacity
-    # 16, 84 bytes at fixed size) plus the step's overhead.
+    # 16, 84 bytes at fixed size) plus the step's overhead (12 bytes).
     rows = [_used_words(32, 16, c) for c in stats["kernel"]["last"]["sent"]]
     self.assertEqual(stats["kernel"]["last"]["bytes_sent"],
                      [_exact_first_payload(w, w, max(rows), 1) for w in rows])
-    self.assertLess(max(stats["kernel"]["last"]["bytes_sent"]), 84)
     # Both are updated by the compressor's rule (plain SGD in the optimizer).
     self.assertTrue(compressor.corrects_optimizer(bias))
     self.assertTrue(compressor.corrects_optimizer(kernel))
