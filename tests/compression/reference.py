@@ -31,6 +31,14 @@ def reference_capacity(n: int, sparsity: float, capacity_factor: float,
   return min(n, math.ceil(Decimal(repr(float(capacity_factor))) * expected))
 
 
+def reference_corrected_threshold(tau, selected, expected, gain, max_factor):
+  """tau * clip(1 + gain * (selected / expected - 1), 1 / max_factor,
+  max_factor), in float64, rounded to tau's dtype."""
+  factor = 1.0 + gain * (np.float64(selected) / np.float64(expected) - 1.0)
+  factor = min(max(factor, 1.0 / max_factor), max_factor)
+  return tau.dtype.type(np.float64(tau) * factor)
+
+
 @dataclasses.dataclass
 class ReferenceStep:
   masks: list          # per replica: bool array, entries sent (after capacity)
@@ -38,19 +46,23 @@ class ReferenceStep:
   taus: list           # per replica: threshold used at this step
   residuals: list      # per replica: residual after this step
   update: np.ndarray   # sum over replicas of what was sent (float64)
+  # per replica: threshold the next step starts from
+  next_taus: list = dataclasses.field(default_factory=list)
 
 
 def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
                      capacity_factor, min_size=0, warmup_steps=0, min_count=0,
-                     sparsity_schedule=()):
+                     sparsity_schedule=(), threshold_gain=0.0,
+                     threshold_max_factor=2.0):
   """Runs DCT-DP on a fixed gradient sequence of one variable.
 
   Args:
     grads_per_step_per_replica: grads[t][r] is replica r's gradient at step t
       (all the same shape and float dtype).
     sparsity, threshold_life, capacity_factor, min_size, warmup_steps,
-      min_count, sparsity_schedule: as in `DCTDP` (min_count 0: Algorithm 1
-      as written; the schedule as a phase driver runs it).
+      min_count, sparsity_schedule, threshold_gain, threshold_max_factor: as
+      in `DCTDP` (min_count 0: Algorithm 1 as written; the schedule as a
+      phase driver runs it; threshold_gain 0: no correction).
 
   Returns:
     A list of `ReferenceStep`, one per step.
@@ -94,6 +106,11 @@ def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
       step.masks.append(sent_mask.reshape(shape))
       step.selected.append(selected.reshape(shape))
       step.taus.append(tau[r])
+      if threshold_gain and not (n < min_size or k < warmup_steps):
+        tau[r] = reference_corrected_threshold(tau[r], selected.sum(), n - m,
+                                               threshold_gain,
+                                               threshold_max_factor)
+      step.next_taus.append(tau[r])
       step.residuals.append(residual[r].reshape(shape).copy())
     step.update = step.update.reshape(shape)
     out.append(step)

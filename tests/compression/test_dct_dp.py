@@ -57,7 +57,7 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
           if st:  # compressed variable: residual and threshold match exactly
             self.assertAllEqual(st["residual"][r], ref_step.residuals[r],
                                 msg=f"residual var {v} step {t} replica {r}")
-            self.assertEqual(st["threshold"][r], ref_step.taus[r],
+            self.assertEqual(st["threshold"][r], ref_step.next_taus[r],
                              msg=f"tau var {v} step {t} replica {r}")
             self.assertEqual(st["sent"][r], ref_step.masks[r].sum())
             self.assertEqual(st["overflow"][r],
@@ -81,6 +81,12 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
       # select 8 instead of 6 and 4; native and stock.
       ("2_replicas_min_count", 2, {"min_count": 8}),
       ("2_replicas_min_count_stock", 2, {"min_count": 8}, None, False),
+      # The per-step correction of tau, native, stock grouped and one by one.
+      ("2_replicas_gain", 2, {"threshold_gain": 0.5}),
+      ("2_replicas_gain_stock_grouped", 2,
+       {"threshold_gain": 0.5, "threshold_max_factor": 1.5}, None, False),
+      ("2_replicas_gain_stock_one_by_one", 2, {"threshold_gain": 1.0}, 0,
+       False),
   )
   def test_matches_reference(self, replicas, extra, fuse_size=None,
                              native=None):
@@ -182,6 +188,14 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("warmup_none", {"warmup_steps": None}, "warmup_steps"),
       ("fuse_size_negative", {"fuse_size": -1}, "fuse_size must be an int >= 0"),
       ("batch_capacity_float", {"batch_capacity": 1.5}, "batch_capacity must be an int"),
+      ("gain_negative", {"threshold_gain": -0.1},
+       "threshold_gain must be a number in \\[0, 1\\]"),
+      ("gain_above_one", {"threshold_gain": 1.5}, "threshold_gain"),
+      ("gain_nan", {"threshold_gain": float("nan")}, "threshold_gain"),
+      ("max_factor_one", {"threshold_max_factor": 1.0},
+       "threshold_max_factor must be a number > 1"),
+      ("max_factor_inf", {"threshold_max_factor": float("inf")},
+       "threshold_max_factor"),
   )
   def test_bad_argument(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):
@@ -211,6 +225,30 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(dct_dp.num_below(1000, 0.99, 8), 990)  # 10 >= 8 already
     self.assertEqual(dct_dp.num_below(5, 0.99, 8), 0)       # k = n
     self.assertEqual(dct_dp.capacity(100, 0.99, 2.0, 8), 16)
+
+  def test_corrected_threshold_matches_numpy(self):
+    # Counts below, at and above K = 10, a count of 0 and a tau of 0, in
+    # float32 and float64: the rule against its numpy reference, exactly.
+    selected = [0, 3, 9, 10, 11, 25, 40, 200]
+    for dtype in (np.float32, np.float64):
+      taus = np.asarray([0.3, 1e-3, 0.7, 2.5, 0.0, 0.11, 5.0, 1.0], dtype)
+      for gain, bound in ((0.5, 2.0), (0.2, 1.25), (1.0, 4.0)):
+        got = dct_dp.corrected_threshold(tf.constant(taus),
+                                         tf.constant(selected, tf.int32),
+                                         [10] * len(taus), gain, bound)
+        want = [reference.reference_corrected_threshold(t, s, 10, gain, bound)
+                for t, s in zip(taus, selected)]
+        self.assertEqual(got.dtype, tf.as_dtype(dtype))
+        self.assertAllEqual(got, np.asarray(want, dtype))
+    # By hand: 30 of K = 10 with gain 0.5 doubles tau; 3 of 10 with gain 1
+    # is bounded at 1 / 1.25; gain 0 returns tau itself.
+    tau = tf.constant([1.5, 1.5])
+    self.assertAllEqual(dct_dp.corrected_threshold(tau, [30, 10], [10, 10],
+                                                   0.5, 4.0), [3.0, 1.5])
+    self.assertAllClose(dct_dp.corrected_threshold(tau, [3, 3], [10, 10], 1.0,
+                                                   1.25), [1.2, 1.2])
+    self.assertIs(dct_dp.corrected_threshold(tau, [3, 3], [10, 10], 0.0, 2.0),
+                  tau)
 
   def test_select_one_variable_by_hand(self):
     """`dct_dp.select`, Algorithm 1 lines 3-11, on a worked example."""

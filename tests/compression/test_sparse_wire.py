@@ -331,6 +331,87 @@ class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllEqual(sums[0][shared], np.zeros(3))
     self.assertEqual(int(counts[0]), len(union) - 3)
 
+  @parameterized.named_parameters(("stock", False), ("native", True))
+  def test_exact_sizes_give_the_fixed_capacity_bits(self, use_native):
+    # Each replica sends only its used slots: one replica none, one all;
+    # every encoding, short and long buffers, float32 and float64 (and
+    # float16 with stock ops). The sums and non-zero counts are those of the
+    # fixed-capacity exchange, bit for bit, and the bytes reported are those
+    # of the tensors handed to the all-gather, padded by TensorFlow to the
+    # longest replica's, plus the int32 length it gathers first.
+    if use_native:
+      test_native.require_native(self)
+    replicas = util.NUM_CPUS
+    rng = np.random.default_rng(11)
+    specs = [(3000, 200, tf.float32, "chunk8"), (900, 150, tf.float32, "int32"),
+             (70000, 300, tf.float64, "chunk16"), (400, 20, tf.float32, "auto"),
+             (60, 9, tf.float64, "int32"), (500, 30, tf.float32, "chunk16")]
+    if not use_native:
+      specs.append((50, 7, tf.float16, "chunk8"))
+    used = [[0] * len(specs), [cap for _, cap, _, _ in specs],
+            [cap // 3 for _, cap, _, _ in specs], [1] * len(specs)]
+    data = [[(np.r_[np.sort(rng.choice(n, u, replace=False)),
+                    np.full(cap - u, n)].astype(np.int32),
+              np.r_[rng.normal(size=u), np.zeros(cap - u)].astype(
+                  dtype.as_numpy_dtype))
+             for (n, cap, dtype, _), u in zip(specs, used[r])]
+            for r in range(replicas)]
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
+    handed = {}  # (exact, replica) -> bytes of each tensor handed to the all-gather
+
+    class Recording:
+      def __init__(self, ctx, key):
+        self._ctx, self._key = ctx, key
+
+      def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+      def all_gather(self, value, axis):
+        handed[self._key] = [tf.size(t) * t.dtype.size
+                             for t in tf.nest.flatten(value)]
+        return self._ctx.all_gather(value, axis)
+
+    def fn(exact):
+      ctx = tf.distribute.get_replica_context()
+      r = tf.get_static_value(ctx.replica_id_in_sync_group)
+      buffers = [(tf.constant(i), tf.constant(v), n)
+                 for (i, v), (n, _, _, _) in zip(data[r], specs)]
+      sums, counts, sent = sparse_wire.exchange_many(
+          Recording(ctx, (exact, int(r))), buffers, encoding="auto", presorted=True,
+          nnz=True, use_native=use_native, payload=True, exact=exact)
+      return sums, counts, sent, handed[(exact, int(r))]
+
+    fixed, exact = (util.local(repl, tf.function(
+        lambda e=e: repl.run(fn, args=(e,)))()) for e in (False, True))
+    for r in range(replicas):
+      for t, (n, cap, dtype, _) in enumerate(specs):
+        self.assertAllEqual(exact[r][0][t], fixed[r][0][t])
+        self.assertEqual(int(exact[r][1][t]), int(fixed[r][1][t]))
+        enc = sparse_wire.make_encoding("auto", n, cap)
+        self.assertEqual(fixed[r][2][t], enc.index_bytes + cap * dtype.size)
+      # Per tensor, TensorFlow pads to the longest replica's and gathers a
+      # length first; the bytes reported add up to that.
+      longest = np.max([[int(b) for b in exact[q][3]] for q in range(replicas)],
+                       axis=0)
+      self.assertEqual(sum(float(b) for b in exact[r][2]),
+                       float(longest.sum() + 4 * longest.size))
+      # A vector other than the first carries its used index words and values.
+      for t, ((n, cap, dtype, _), u) in enumerate(zip(specs, used[r])):
+        if t == 0:
+          continue
+        enc = sparse_wire.make_encoding("auto", n, cap)
+        words = (u if enc.name == "int32" else
+                 (enc.count_words if u else 0)
+                 + -(-u * enc.offset_bytes // 4))
+        self.assertEqual(float(exact[r][2][t]), 4 * words + u * dtype.size,
+                         msg=f"replica {r} vector {t}")
+    # Replica 1 fills every slot, so each tensor crosses at its full length:
+    # the fixed payload plus the counts header (one word per vector and the
+    # row length) and TensorFlow's length word per tensor.
+    streams = len(exact[0][3])
+    self.assertEqual(sum(float(b) for b in exact[0][2]),
+                     sum(fixed[0][2]) + 4 * (len(specs) + 1) + 4 * streams)
+
   def test_compiles_with_xla_on_one_replica(self):
     repl = tf_dct.Replicator(["/cpu:0"], jit_compile=True)
     acc = np.array([0.5, -2.0, 0.1, 3.0], np.float32)

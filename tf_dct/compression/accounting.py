@@ -104,7 +104,9 @@ class Record:
   Attributes:
     size: N, entries of the variable.
     dtype: the gradient's dtype (its size prices the dense baseline).
-    gather_bytes: P, bytes this replica put into all-gathers (static int).
+    gather_bytes: P, bytes this replica put into all-gathers: a static int,
+      or a tensor where the payload's size is known only in the step
+      (`sparse_wire.exchange_many` with exact sizes).
     reduce_bytes: M, bytes this replica all-reduced (static int).
     nnz: non-zero entries of the aggregated update (int or tensor).
     sent: entries this replica sent (int or tensor).
@@ -141,10 +143,11 @@ class Record:
     stock baseline; `dynamic_fields`) are 0 here.
     """
     n = num_replicas
-    moved = (all_gather_bytes(self.gather_bytes, n)
+    gather = 0 if tf.is_tensor(self.gather_bytes) else self.gather_bytes
+    moved = (all_gather_bytes(gather, n)
              + all_reduce_bytes(self.reduce_bytes, n))
     dense = self.size * tf.as_dtype(self.dtype).size
-    return np.asarray([self.gather_bytes + self.reduce_bytes, moved, moved,
+    return np.asarray([gather + self.reduce_bytes, moved, moved,
                        all_reduce_bytes(dense, n), dense, 0, self.size, 0, 0,
                        0, 0], np.float64)
 
@@ -165,6 +168,12 @@ class Record:
            "stock_bytes": moved, "stock_payload_bytes": payload}
     if self.as_stock:
       out.update(payload_bytes=payload, bytes_sent=moved, bytes_received=moved)
+    elif tf.is_tensor(self.gather_bytes):  # exact sizes, known in the step
+      gather = tf.cast(self.gather_bytes, tf.float64)
+      moved = (all_gather_bytes(gather, num_replicas)
+               + all_reduce_bytes(self.reduce_bytes, num_replicas))
+      out.update(payload_bytes=gather + self.reduce_bytes, bytes_sent=moved,
+                 bytes_received=moved)
     else:  # the same keys for every record (one column each in `update`)
       static = self.static_vector(num_replicas)
       out.update({f: static[FIELDS.index(f)] for f in

@@ -599,9 +599,10 @@ class Compressor(tf.Module):
              as_stock: bool = False) -> None:
     """Reports what this replica did for `variable` in the current step.
 
-    Call from `reduce`, at most once per variable and step. Bytes are static
-    per replica: `gather_bytes` (P) put into all-gathers, `reduce_bytes` (M)
-    all-reduced; `as_stock=True` instead: the gradient went through TF's own
+    Call from `reduce`, at most once per variable and step. Bytes per
+    replica: `gather_bytes` (P) put into all-gathers (an int, or a scalar
+    tensor when the payload's size is decided in the step), `reduce_bytes`
+    (M, static) all-reduced; `as_stock=True` instead: the gradient went through TF's own
     collective as it is (the stock baseline's bytes). `nnz` (non-zero
     entries of the aggregated update) and `sent` (entries this replica sent)
     default to N. Outside `aggregate` it does nothing.

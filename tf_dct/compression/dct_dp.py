@@ -93,6 +93,38 @@ def schedule(k: tf.Tensor, threshold_life: int, warmup_steps: int = 0,
                               (k - warmup_steps) % threshold_life == 0)
 
 
+def corrected_threshold(tau: tf.Tensor, selected: tf.Tensor, expected,
+                        gain: float, max_factor: float) -> tf.Tensor:
+  """The threshold a reuse starts from after a step that selected `selected`.
+
+  tau' = tau * clip(1 + gain * (selected / expected - 1), 1 / max_factor,
+  max_factor), in float64, rounded to tau's dtype. A step that selected more
+  than the expected count K raises the threshold, one that selected fewer
+  lowers it, so the count stays near K between the order statistics of the
+  schedule without computing one: with error feedback the held-back entries
+  grow, and a fixed threshold selects more and more until the next refresh.
+  The bound keeps one noisy step (or a count of 0) from moving tau far. Only
+  +, *, / and comparisons: a numpy reference gives the same bits.
+
+  Args:
+    tau: thresholds used this step ([V] or scalar).
+    selected: entries they selected, before the capacity cut (int, same shape).
+    expected: K per variable (Python ints or a tensor of tau's shape).
+    gain: in [0, 1]; 0 returns `tau` itself.
+    max_factor: the largest factor per step, up or down, > 1.
+
+  Returns:
+    The corrected thresholds, tau's dtype and shape.
+  """
+  if gain == 0:
+    return tau
+  ratio = (tf.cast(selected, tf.float64)
+           / tf.cast(tf.convert_to_tensor(expected), tf.float64))
+  factor = tf.clip_by_value(1.0 + gain * (ratio - 1.0), 1.0 / max_factor,
+                            max_factor)
+  return tf.cast(tf.cast(tau, tf.float64) * factor, tau.dtype)
+
+
 class Selection(NamedTuple):
   """What `select` picked for one variable on one replica."""
   tau: tf.Tensor        # the threshold of this step
@@ -291,6 +323,14 @@ class DCTDP(Compressor):
       each stage is a phase and starts with a fresh threshold. A step traced
       without its phase (no driver, see docs/dct_dp.md) uses
       `sparsity`.
+    threshold_gain: per-step correction of tau from the count it just
+      selected (beyond the paper): after each compressed step the threshold
+      the next reuse starts from is tau * (1 + threshold_gain * (selected /
+      K - 1)), bounded by `threshold_max_factor` (`corrected_threshold`), so the
+      count stays near K between refreshes. A number in [0, 1]; 0 turns it
+      off (Algorithm 1's reuse).
+    threshold_max_factor: the most the correction moves tau in one step, a
+      factor > 1 up or down.
     adam_first_moment: "replica" (default: each replica keeps Adam's first
       moment of its own gradients and error feedback works on it, DGC's
       momentum correction for Adam) or "aggregate" (m averages what was
@@ -335,7 +375,9 @@ class DCTDP(Compressor):
                sparse_gradients: str = "auto",
                dense_gradients: str = "auto",
                fuse_size: int | None = None,
-               batch_capacity: int | None = None):
+               batch_capacity: int | None = None,
+               threshold_gain: float = 0.0,
+               threshold_max_factor: float = 2.0):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
@@ -349,6 +391,10 @@ class DCTDP(Compressor):
     self.warmup_steps = int(_check("warmup_steps", warmup_steps,
                                    numbers.Integral, 0, False))
     self.density_band = _check_band(density_band)
+    self.threshold_gain = float(_check("threshold_gain", threshold_gain,
+                                       numbers.Real, 0, False, 1, False))
+    self.threshold_max_factor = float(_check(
+        "threshold_max_factor", threshold_max_factor, numbers.Real, 1, True))
     self.sparsity_schedule = _check_schedule(sparsity_schedule)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
@@ -494,11 +540,14 @@ class DCTDP(Compressor):
           ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items],
           encoding=self.index_encoding, presorted=True, nnz=counted,
           use_native=self.native is not False,
-          batch_capacity=self.batch_capacity)
-      summed, nnzs = (exchanged if counted
-                      else (exchanged, [None] * len(exchanged)))
-      for (i, _, _, _, shape), flat, nnz in zip(sparse_items, summed, nnzs):
+          batch_capacity=self.batch_capacity, payload=True)
+      summed, nnzs, sent_bytes = (
+          exchanged if counted
+          else (exchanged[0], [None] * len(exchanged[0]), exchanged[1]))
+      for (i, _, _, _, shape), flat, nnz, nbytes in zip(
+          sparse_items, summed, nnzs, sent_bytes):
         results[i] = tf.reshape(flat, shape)
+        reports[i][0]["gather_bytes"] = nbytes  # exact sizes: what was sent
         if nnz is not None:
           sparse_nnz[i] = nnz
     self.add_dense_sums(ctx, dense_items, results)
@@ -602,9 +651,20 @@ class DCTDP(Compressor):
           sent=counts[v], threshold=taus[v], selection_seconds=None,  # set by reduce
           counters=counters), warms[v]))
 
+    # The threshold the next step starts from: corrected by this step's
+    # count (a warm variable keeps its own).
+    carried = tau
+    if self.threshold_gain:
+      carried = corrected_threshold(
+          picked.tau, picked.selected,
+          [n - m for n, m in zip(sizes, group.below)], self.threshold_gain,
+          self.threshold_max_factor)
+      if warm is not None:
+        carried = tf.where(warm, group.tau, carried)
+
     def write():
       # `pack_scalars` for the whole group at once, then one row each.
-      columns = {"threshold": tau, "step": group.k + 1, "sent": count,
+      columns = {"threshold": carried, "step": group.k + 1, "sent": count,
                  "overflow": overflow}
       scalars = tf.unstack(tf.stack(
           [tf.cast(columns[name], tf.float64) for name in SCALARS], axis=1))

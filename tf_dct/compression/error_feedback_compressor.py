@@ -244,9 +244,12 @@ class ErrorFeedbackCompressor(Compressor):
     # counted on the results instead (`_report`), not here too.
     counted = not self.in_graph_warmup
     exchanged = sparse_wire.exchange_many(ctx, buffers, presorted=True,
-                                          nnz=counted)
-    summed, nnzs = (exchanged if counted
-                    else (exchanged, [None] * len(exchanged)))
+                                          nnz=counted, payload=True)
+    summed, nnzs, sent_bytes = (
+        exchanged if counted
+        else (exchanged[0], [None] * len(exchanged[0]), exchanged[1]))
+    for k, nbytes in zip(kept, sent_bytes):
+      k[-1]["gather_bytes"] = nbytes  # exact sizes: what was sent
     return [Outcome(s, *k, nnz=c) for s, k, c in zip(summed, kept, nnzs)]
 
   def _fixed_threshold(self, item: Item):

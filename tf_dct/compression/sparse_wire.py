@@ -549,7 +549,8 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
                   buffers: Sequence[tuple[tf.Tensor, tf.Tensor, int]],
                   encoding: str = "auto", presorted: bool = False,
                   nnz: bool = False, use_native: bool = True,
-                  batch_capacity: int | None = None) -> list:
+                  batch_capacity: int | None = None,
+                  payload: bool = False, exact: bool | None = None):
   """`exchange` for several vectors with one batched all-gather.
 
   Args:
@@ -566,11 +567,22 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     batch_capacity: on the stock-op path, buffers of at most this many
       slots share one set of ops (0: every buffer on its own); an int >= 0,
       None: `BATCH_CAPACITY`. The sums are the same either way.
+    payload: also return the bytes this replica put on the wire per vector.
+    exact: send each replica's used slots only (`_gather_exact`) instead of
+      every buffer's full capacity. None (default): exact outside XLA, the
+      fixed capacity under XLA (and so on TPU), where shapes must be static.
+      The sums are the same bits either way.
 
   Returns:
     Per vector, the dense length-n sum over replicas (same on every replica);
-    with `nnz`, a pair `(sums, counts)`, counts[v] = int64 non-zero entries
-    of sums[v]. On CPU (outside XLA, float32/float64 values) two native
+    with `nnz` also counts[v] = int64 non-zero entries of sums[v]; with
+    `payload` also bytes[v], what this replica contributed for vector v:
+    `wire_bytes` (a Python int) at fixed capacity; with `exact` a float64
+    scalar, the vector's used slots and index words, the first vector also
+    carrying the step's overhead (the counts header, TensorFlow's length
+    word per gathered tensor, and the padding to the longest replica's
+    payload). Results come as `sums`, `(sums, counts)`, `(sums, bytes)` or
+    `(sums, counts, bytes)`. On CPU (outside XLA, float32/float64 values) two native
     kernels do the work of the stock ops, bit for bit: one lays this
     replica's vectors into one int32 payload per value dtype
     (`tf_dct.compression.native.encode`), and after the all-gather one decodes,
@@ -583,20 +595,31 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     raise ValueError(f"exchange_many: batch_capacity must be an int >= 0 (or None), "
                      f"got {batch_capacity!r}")
   buffers = list(buffers)
+  if exact is None:
+    exact = not _private.in_xla_context()
+
+  def result(sums, counts, sent):
+    return ((sums,) + ((counts,) if nnz else ()) + ((sent,) if payload else ())
+            if nnz or payload else sums)
+
   if not buffers:
-    return ([], []) if nnz else []
+    return result([], [], [])
   encs, idxs, vals = [], [], []
   for idx, val, n in buffers:
     enc = make_encoding(encoding, n, idx.shape[0])
-    if enc.name != "int32" and not presorted:
+    # Exact sizes send a prefix of the slots: the used ones must come first.
+    if (enc.name != "int32" or exact) and not presorted:
       order = tf.argsort(idx, stable=True)
       idx, val = tf.gather(idx, order), tf.gather(val, order)
     encs.append(enc)
     idxs.append(tf.cast(idx, tf.int32))
     vals.append(val)
+  fixed = [enc.index_bytes + enc.capacity * val.dtype.size
+           for enc, val in zip(encs, vals)]
+  used = _used_slots(encs, idxs) if exact else None
   if use_native and all(native.usable(v.dtype, v.device) for v in vals):
-    summed, counts = _exchange_native(ctx, encs, idxs, vals)
-    return (summed, counts) if nnz else summed
+    summed, counts, sent = _exchange_native(ctx, encs, idxs, vals, used)
+    return result(summed, counts, sent or fixed)
   # Short buffers share one set of ops (an op per buffer costs a dispatch
   # each); long ones go one by one (see BATCH_CAPACITY).
   short = [v for v, e in enumerate(encs) if e.capacity <= batch_capacity]
@@ -607,31 +630,44 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   # One collective per vector and tensor would cost a rendezvous each.
   wire = lambda dtype: tf.int32 if dtype.size == 4 else dtype
   streams = {tf.int32: []}   # dtype on the wire -> pieces, in order
+  maps = {tf.int32: []}      # dtype on the wire -> `_WordMap` per piece
   sizes = {}                 # dtype on the wire -> length so far
 
-  def put(piece):            # -> (wire dtype, start of `piece` in its stream)
+  def put(piece, word_map):  # -> (wire dtype, start of `piece` in its stream)
     w = wire(piece.dtype)
     at = sizes.get(w, 0)
     sizes[w] = at + piece.shape[0]
     streams.setdefault(w, []).append(
         piece if w == piece.dtype else tf.bitcast(piece, w))
+    maps.setdefault(w, []).append(word_map)
     return w, at
 
-  words_at = [put(layout.encode(tf.concat([idxs[v] for v in short], 0)))[1]
+  words_at = [put(layout.encode(tf.concat([idxs[v] for v in short], 0)),
+                  _WordMap.join([_index_map(v, encs[v]) for v in short]))[1]
               ] if short else []
-  words_at += [put(encode_indices(idxs[v], encs[v]))[1] for v in long]
+  words_at += [put(encode_indices(idxs[v], encs[v]), _index_map(v, encs[v]))[1]
+               for v in long]
   short_by_dtype = {}        # value dtype -> short vectors
   for v in short:
     short_by_dtype.setdefault(vals[v].dtype, []).append(v)
-  short_vals = {d: put(tf.concat([vals[v] for v in m], 0))
+  short_vals = {d: put(tf.concat([vals[v] for v in m], 0),
+                       _WordMap.join([_value_map(v, encs[v].capacity, 1)
+                                      for v in m]))
                 for d, m in short_by_dtype.items()}
-  long_vals = [put(vals[v]) for v in long]
+  long_vals = [put(vals[v], _value_map(v, encs[v].capacity, 1)) for v in long]
   names = list(streams)
-  gathered = ctx.all_gather([tf.concat(streams[w], 0) for w in names], axis=0)
-  # One row per replica; the count is static even where the gathered shape is
-  # not (MultiWorkerMirrored leaves the leading dimension unknown).
   r = ctx.num_replicas_in_sync
-  rows = {w: tf.reshape(g, [r, sizes[w]]) for w, g in zip(names, gathered)}
+  sent = None
+  if exact:
+    gathered, sent = _gather_exact(
+        ctx, [(tf.concat(streams[w], 0), _WordMap.join(maps[w])) for w in names],
+        used)
+    rows = dict(zip(names, gathered))
+  else:
+    gathered = ctx.all_gather([tf.concat(streams[w], 0) for w in names], axis=0)
+    # One row per replica; the count is static even where the gathered shape
+    # is not (MultiWorkerMirrored leaves the leading dimension unknown).
+    rows = {w: tf.reshape(g, [r, sizes[w]]) for w, g in zip(names, gathered)}
 
   def take(where, length, dtype):  # [r, length] of one piece, in `dtype`
     w, at = where
@@ -664,19 +700,21 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     val = take(long_vals[i], enc.capacity, vals[v].dtype)
     idx = decode_indices(words, enc)  # every replica at once
     out[v] = scatter_sum(tf.reshape(idx, [-1]), tf.reshape(val, [-1]), enc.n)
-  if not nnz:
-    return out
-  return out, [tf.math.count_nonzero(o, dtype=tf.int64) for o in out]
+  counts = ([tf.math.count_nonzero(o, dtype=tf.int64) for o in out] if nnz
+            else None)
+  return result(out, counts, sent or fixed)
 
 
-def _exchange_native(ctx, encs, idxs, vals):
+def _exchange_native(ctx, encs, idxs, vals, used=None):
   """`exchange_many` with the native kernels: per value dtype one payload
-  (index words, then values), all of them in one all-gather; returns the
-  sums and their int64 non-zero counts."""
+  (index words, then values), all of them in one all-gather (with `used`,
+  each replica's used slots only, `_gather_exact`); returns the sums, their
+  int64 non-zero counts and the exact bytes per vector (None at fixed
+  capacity)."""
   groups = {}  # value dtype -> vectors
   for v, val in enumerate(vals):
     groups.setdefault(val.dtype, []).append(v)
-  payloads = []
+  payloads, payload_maps = [], []
   for dtype, members in groups.items():
     mine = [encs[v] for v in members]
     payload = native.encode([idxs[v] for v in members],
@@ -684,17 +722,134 @@ def _exchange_native(ctx, encs, idxs, vals):
     payload.set_shape([sum(e.words + e.capacity * dtype.size // 4
                            for e in mine)])
     payloads.append(payload)
-  gathered = ctx.all_gather(payloads, axis=0)
+    payload_maps.append(_WordMap.join(
+        [_index_map(v, encs[v]) for v in members]
+        + [_value_map(v, encs[v].capacity, dtype.size // 4) for v in members]))
   r = ctx.num_replicas_in_sync
+  sent = None
+  if used is not None:
+    gathered, sent = _gather_exact(ctx, list(zip(payloads, payload_maps)), used)
+  else:
+    gathered = [tf.reshape(rows, [r, payload.shape[0]]) for payload, rows in
+                zip(payloads, ctx.all_gather(payloads, axis=0))]
   sums, counts = [None] * len(vals), [None] * len(vals)
-  for (dtype, members), payload, rows in zip(groups.items(), payloads,
-                                              gathered):
-    summed, nnz = native.gather_sum(
-        tf.reshape(rows, [r, payload.shape[0]]), [encs[v] for v in members],
-        dtype)
+  for (dtype, members), rows in zip(groups.items(), gathered):
+    summed, nnz = native.gather_sum(rows, [encs[v] for v in members], dtype)
     for v, total, count in zip(members, summed, tf.unstack(nnz)):
       sums[v], counts[v] = total, count
-  return sums, counts
+  return sums, counts, sent
+
+
+@dataclasses.dataclass(frozen=True)
+class _WordMap:
+  """Per element of a wire stream: its vector, the first slot of that vector
+  it carries (0 for chunk counts) and its value in an unused slot.
+
+  An element whose first slot is at or past its vector's used slots holds
+  nothing but padding, so exact sizes leave it out and the receiver puts
+  `pad` back, restoring the fixed-capacity stream bit for bit.
+  """
+  vector: np.ndarray
+  first: np.ndarray
+  pad: np.ndarray
+
+  @staticmethod
+  def join(maps):
+    return _WordMap(*(np.concatenate([getattr(m, f) for m in maps])
+                      for f in ("vector", "first", "pad")))
+
+
+def _index_map(v: int, enc: Encoding) -> _WordMap:
+  """The `_WordMap` of vector v's index words (`encode_indices`)."""
+  if enc.name == "int32":  # one position per word, padding n
+    first = np.arange(enc.capacity)
+    pad = np.full(enc.capacity, enc.n)
+  else:  # chunk counts (always sent), then offsets packed 4 // width a word
+    first = np.concatenate([np.zeros(enc.count_words, np.int64),
+                            np.arange(enc.offset_words) * (4 // enc.offset_bytes)])
+    pad = np.zeros(enc.words, np.int64)
+  return _WordMap(np.full(first.size, v), first, pad)
+
+
+def _value_map(v: int, capacity: int, per_slot: int) -> _WordMap:
+  """The `_WordMap` of vector v's values, `per_slot` elements a slot."""
+  first = np.arange(capacity * per_slot) // per_slot
+  return _WordMap(np.full(first.size, v), first, np.zeros(first.size, np.int64))
+
+
+def _used_slots(encs, idxs) -> tf.Tensor:
+  """int32[vectors]: slots holding a position (< n) per vector."""
+  slot_n = np.concatenate([np.full(e.capacity, e.n) for e in encs])
+  slot_vector = np.repeat(np.arange(len(encs)), [e.capacity for e in encs])
+  return tf.math.unsorted_segment_sum(
+      tf.cast(tf.concat(idxs, 0) < slot_n.astype(np.int32), tf.int32),
+      slot_vector.astype(np.int32), len(encs))
+
+
+def _gather_exact(ctx, streams, used):
+  """All-gathers streams of fixed-capacity words, sending only what is used.
+
+  Each replica drops the elements of its streams that carry only padding
+  (an element whose first slot is at or past its vector's `used` count,
+  `_WordMap`) and sends the rest, the first stream headed by its length and
+  the `used` counts. TensorFlow's all-gather takes tensors whose lengths
+  differ between replicas: it gathers the lengths (one int32 each) and pads
+  every replica's tensor to the longest. The receiver walks the rows of the
+  first stream by their lengths, reads every replica's counts and puts the
+  dropped padding back, so the rows are exactly those of a fixed-capacity
+  all-gather.
+
+  Args:
+    ctx: the replica context.
+    streams: `(tensor, _WordMap)` per stream, rank-1 tensors of static
+      length; the first int32.
+    used: int32[vectors], used slots per vector of this replica.
+
+  Returns:
+    `(rows, sent)`: per stream the [replicas, length] fixed-capacity rows;
+    per vector the float64 bytes this replica sent for it, the first vector
+    also carrying the step's overhead (header, lengths, padding to the
+    longest replica).
+  """
+  r = ctx.num_replicas_in_sync
+  vectors = used.shape[0]
+  parts, sizes = [], []
+  own = tf.zeros([vectors], tf.float64)
+  for tensor, word_map in streams:
+    keep = tf.constant(word_map.first, tf.int32) < tf.gather(
+        used, word_map.vector.astype(np.int32))
+    parts.append(tf.boolean_mask(tensor, keep))
+    sizes.append(tensor.dtype.size)
+    own += tf.math.unsorted_segment_sum(
+        tf.cast(keep, tf.float64) * tensor.dtype.size,
+        word_map.vector.astype(np.int32), vectors)
+  header = 1 + vectors
+  parts[0] = tf.concat([[tf.size(parts[0], tf.int32) + header], used,
+                        parts[0]], 0)
+  gathered = ctx.all_gather(parts, axis=0)
+  # Row i of the first stream starts where row i - 1 ends.
+  start, counts, data = tf.constant(0, tf.int32), [], []
+  for _ in range(r):
+    length = gathered[0][start]
+    counts.append(tf.slice(gathered[0], [start + 1], [vectors]))
+    data.append(tf.slice(gathered[0], [start + header], [length - header]))
+    start += length
+  counts = tf.stack(counts)  # [r, vectors]
+  data = [tf.concat(data, 0)] + list(gathered[1:])
+  rows, longest = [], []
+  for (tensor, word_map), values in zip(streams, data):
+    keep = tf.constant(word_map.first[None], tf.int32) < tf.gather(
+        counts, word_map.vector.astype(np.int32), axis=1)
+    template = tf.tile(tf.constant(word_map.pad[None], tensor.dtype), [r, 1])
+    rows.append(tf.tensor_scatter_nd_update(template, tf.where(keep), values))
+    longest.append(tf.reduce_max(tf.reduce_sum(tf.cast(keep, tf.float64), 1)))
+  # What crosses per replica: every stream padded to its longest row (the
+  # first with its header), plus the int32 length TensorFlow gathers first.
+  total = tf.add_n([size * (n + (header if i == 0 else 0)) + 4
+                    for i, (size, n) in enumerate(zip(sizes, longest))])
+  sent = tf.unstack(own)
+  sent[0] += total - tf.reduce_sum(own)
+  return rows, sent
 
 
 def exchange(ctx: tf.distribute.ReplicaContext, idx: tf.Tensor, val: tf.Tensor,
