@@ -195,6 +195,8 @@ def test_worker_passes_min_count_to_compressing_configs_only():
 
 
 def test_worker_compressors_record_gradient_types_through_a_subclass():
+  from tests import util  # pylint: disable=g-import-not-at-top
+  util.setup_cpus()  # the first op of a process fixes its devices for every module
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_dct  # pylint: disable=g-import-not-at-top
   from bench import e2e_worker  # pylint: disable=g-import-not-at-top

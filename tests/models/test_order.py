@@ -4,6 +4,11 @@ import numpy as np
 import tensorflow as tf
 
 from models.data import order
+from tests import util
+
+
+def setUpModule():
+  util.setup_cpus()
 
 
 class OrderTest(tf.test.TestCase):
