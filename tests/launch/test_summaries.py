@@ -93,9 +93,17 @@ class LayoutTest(tf.test.TestCase):
                  for v in self.job.model.trainable_variables]
     self.assertAllClose(self.train["tf_dct/residual_norm"][-1][1],
                         np.sqrt(sum(np.sum(np.square(r)) for r in residuals)), rtol=1e-5)
-    tau = self.train["tf_dct_variables/threshold/dense/kernel"][-1][1]
-    self.assertEqual(tau, np.float32(stats["variables"]["dense/kernel"]["last"]
-                                     ["threshold"][0]))
+    # Every logged threshold is the variable's at step 6; the first kernel (a
+    # compressed one) is among them. Layer names depend on what the process
+    # built before ("dense" or "dense_3"), so they are read from the model.
+    prefix = "tf_dct_variables/threshold/"
+    logged = [tag[len(prefix):] for tag in self.train if tag.startswith(prefix)]
+    first = self.job.model.trainable_variables[0].name.split(":")[0]
+    self.assertIn(first, logged)
+    for name in logged:
+      tau = self.train[prefix + name][-1][1]
+      self.assertEqual(tau, np.float32(stats["variables"][name]["last"]
+                                       ["threshold"][0]), name)
 
   def test_training_scalars(self):
     self.assertEqual(self.train["training/learning_rate"],
