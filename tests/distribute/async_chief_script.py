@@ -31,12 +31,18 @@ D_IN, D_OUT = 64, 8          # y = x W + b: W has 512 entries, b 8
 NUM_EXAMPLES = 8192
 NOISE = 0.1
 BATCH = 64                   # per worker and step
-ASYNC_STEPS = 1000           # steps scheduled (over both workers)
+ASYNC_STEPS = 1000           # DCTDP steps scheduled (over both workers)
 LR = 0.03
+DENSE_STEPS = 500            # dense pushes converge in half the steps at
+DENSE_LR = 0.06              # twice the rate (DCTDP(0.99) does not: ~7 entries a push)
 SPARSITY = 0.99
 BAND = (0.5, 2.0)            # DCTDP density band (see the test's docstring)
-CONSERVE_STEPS = 100         # per conservation run (the identity holds at every step)
-DRAIN_EVERY = 10             # the drain run's drain_every: 10 drains expected
+CONSERVE_STEPS = 50          # per conservation run (the identity holds at every step)
+DRAIN_EVERY = 5              # the drain run's drain_every: 10 drains expected
+FAULT_STEPS = 50             # phase 1 and phase 3 of the fault section
+CHUNK = 25                   # fault phase 2 trains (and reports progress) in chunks
+AFTER_RESTART = 100          # phase-2 steps once the restarted worker is back
+RESTARTED = "worker_1_restarted"   # the test's marker file in the result dir
 
 
 def regression_data():
@@ -53,11 +59,11 @@ def full_loss(x, y, w, b) -> float:
 
 
 def sync_reference(num_workers: int = 2, steps: int = ASYNC_STEPS // 2,
-                   seed: int = 1) -> float:
+                   seed: int = 1, lr: float = LR) -> float:
   """Synchronous data parallelism on the same data: its final full-data loss.
 
   The same per-worker step as the async run (mean loss over the worker's
-  BATCH examples, SGD with lr LR), made synchronous: every step each of the
+  BATCH examples, SGD with rate `lr`), made synchronous: every step each of the
   `num_workers` workers computes its gradient at the same weights and the
   model takes the SUM of those gradients (what MultiWorkerReplicator's dense
   SUM aggregation applies). `steps` = ASYNC_STEPS / num_workers steps read as
@@ -74,8 +80,8 @@ def sync_reference(num_workers: int = 2, steps: int = ASYNC_STEPS // 2,
       err = (x[idx] @ w + b - y[idx]) * (2.0 / (BATCH * D_OUT))
       gw += x[idx].T @ err
       gb += err.sum(0)
-    w -= LR * gw
-    b -= LR * gb
+    w -= lr * gw
+    b -= lr * gb
   return full_loss(x, y, w, b)
 
 
@@ -93,7 +99,7 @@ def main() -> None:
 
   parser = argparse.ArgumentParser()
   parser.add_argument("--mode", default="all", choices=["all", "train", "fault"])
-  parser.add_argument("--fault_steps", type=int, default=500)
+  parser.add_argument("--max_phase2_steps", type=int, default=1000)
   args = multi_worker_util.parse_worker_args(parser=parser)
   out = {"sections": {}, "errors": {}, "timings": {}, "done": False,
          "progress": {}}
@@ -192,9 +198,9 @@ def main() -> None:
     @section("dense_async")
     def _():
       w, b = make_model()
-      push = AsyncPush(repl, None, learning_rate=LR, variables=[w, b])
+      push = AsyncPush(repl, None, learning_rate=DENSE_LR, variables=[w, b])
       t = time.monotonic()
-      results = train(push, w, b, ASYNC_STEPS)
+      results = train(push, w, b, DENSE_STEPS)
       seconds = time.monotonic() - t
       stats = push.stats()
       return {"loss": full_loss(x_all, y_all, w.numpy(), b.numpy()),
@@ -248,7 +254,7 @@ def main() -> None:
         model.compile(tf_keras.optimizers.SGD(LR), loss="mse", steps_per_execution=10)
       creator = tf_keras.utils.experimental.DatasetCreator(
           lambda ctx: input_fn(ctx))
-      history = model.fit(creator, epochs=2, steps_per_epoch=100, verbose=0)
+      history = model.fit(creator, epochs=2, steps_per_epoch=30, verbose=0)
       kernel, bias = model.get_weights()
       return {"loss_history": history.history["loss"],
               "loss": full_loss(x_all, y_all, kernel, bias)}
@@ -278,31 +284,45 @@ def main() -> None:
                        learning_rate=LR, variables=[w, b])
       ckpt = tf.train.Checkpoint(w=w, b=b)
       # Phase 1: healthy; drain + save.
-      phase1 = train(push, w, b, 100, return_grads=True)
+      phase1 = train(push, w, b, FAULT_STEPS, return_grads=True)
       g1 = [np.sum([np.asarray(r["grads"][i], np.float64) for r in phase1], 0)
             for i in range(2)]
       path = push.save(ckpt, os.path.join(ckpt_dir, "ckpt"))
       w_saved = w.numpy()
-      # Phase 2: the test kills worker 1 once 50 steps completed, restarts it.
+      phase1_steps = push.stats()["per_worker"]["steps"]
+      # Phase 2: the test kills worker 1 after a chunk, restarts it a second
+      # later and writes the RESTARTED marker. Chunks go on (on worker 0 alone
+      # until worker 1 is back); once the marker is there, wait for worker 1,
+      # then AFTER_RESTART more steps on both workers.
+      marker = pathlib.Path(args.result_dir) / RESTARTED
       t = time.monotonic()
       phase2 = []
-      for _ in range(args.fault_steps // 50):   # progress = completed steps
-        phase2 += train(push, w, b, 50)
+      before_wait = None
+      while len(phase2) < args.max_phase2_steps:
+        phase2 += train(push, w, b, CHUNK)
         out["progress"] = {"completed": len(phase2), "time": time.time()}
         flush()
+        if before_wait is None and marker.exists():
+          before_wait = len(phase2)
+          repl.wait_for_workers()
+        elif before_wait is not None and len(phase2) >= before_wait + AFTER_RESTART:
+          break
       seconds = time.monotonic() - t
+      # Per-worker variables: a restarted worker's counters start from 0.
       stats = push.stats()
       loss2 = full_loss(x_all, y_all, w.numpy(), b.numpy())
       # Phase 3: restart from the last checkpoint (as after a crash), go on.
       push.restore(ckpt, path)
       restored = w.numpy()
       residual_after_restore = float(np.abs(np.sum(push.residuals(w), 0)).sum())
-      phase3 = train(push, w, b, 100, return_grads=True)
+      phase3 = train(push, w, b, FAULT_STEPS, return_grads=True)
       g3 = [np.sum([np.asarray(r["grads"][i], np.float64) for r in phase3], 0)
             for i in range(2)]
       return {
           "phase2_steps_completed": len(phase2), "phase2_seconds": seconds,
+          "phase2_steps_before_wait": before_wait,
           "phase2_loss": loss2, "steps_per_worker": stats["per_worker"]["steps"],
+          "phase1_steps_per_worker": phase1_steps,
           "restored_equals_saved": bool(np.array_equal(restored, w_saved)),
           "residual_after_restore": residual_after_restore,
           "grad_sum_w": g1[0] + g3[0], "grad_sum_b": g1[1] + g3[1],

@@ -8,26 +8,32 @@ on failure), section after section:
   (y = xW + b, W 64x8, b 8; noise floor ~0.0099) with dense pushes and with
   DCTDP(0.99) pushes, push accounting, conservation with and without the
   stochastic drain, tf-keras `model.fit`;
-* fault: after 100 healthy steps and a draining checkpoint, worker 1 is
-  SIGKILLed once 50 more steps completed and restarted 1 s later; the run
-  must finish its 500 steps, then restart from the checkpoint and train on;
+* fault: after 50 healthy steps and a draining checkpoint, worker 1 is
+  SIGKILLed once 25 more steps completed and restarted 1 s later; the steps
+  scheduled meanwhile must finish (on worker 0), and once worker 1 is back
+  it must take part in 100 more; then a restart from the checkpoint, and
+  training goes on;
 * last, a step whose closure fails (non-finite gradient).
 
-Sync reference and tolerance. The asynchronous runs make ASYNC_STEPS = 1000
-pushes of a worker's batch of 64 (SGD, lr 0.03). The synchronous reference
-(`sync_reference`, numpy) takes the same per-worker step synchronously: 500
-steps, each applying the SUM of both workers' gradients at the same weights
+Sync reference and tolerance. The asynchronous DCTDP run makes ASYNC_STEPS =
+1000 pushes of a worker's batch of 64 (SGD, lr 0.03); the dense run makes
+DENSE_STEPS = 500 at lr 0.06 (a dense push moves every weight, so it gets as
+close in half the steps at twice the rate; a DCTDP(0.99) push moves ~7 of
+520 entries and does not). The synchronous reference (`sync_reference`,
+numpy) takes the same per-worker step synchronously: half as many steps,
+each applying the SUM of both workers' gradients at the same weights
 (MultiWorkerReplicator's dense aggregation), i.e. the same examples. Async
 runs are not deterministic (which worker takes which step, staleness), so
 we compare the final full-data loss, not weights: both must be within 2%
 of the synchronous loss. The problem is convex with a noise floor, so every
-run converges to the same optimum; 2% is ~10x the spread we measured.
+run converges to the same optimum (the references end 0.8% and 1.2% above
+it); the async losses we measured were within 0.4% of their reference.
 
 DCTDP(0.99) runs with threshold_life=1000 and density_band=(0.5, 2.0): on
 this convex problem the gradients shrink ~100x while converging, so a
-threshold kept for 1000 steps is soon far too high (without the band the
-run does not converge in 1000 steps); the band refreshes it early when the
-density drifts, and the early refreshes are counted and reported.
+threshold kept for the whole run is soon far too high (without the band the
+run does not converge); the band refreshes it early when the density
+drifts, and the early refreshes are counted and reported.
 """
 
 import json
@@ -49,8 +55,8 @@ from tests.distribute import multi_worker_util
 
 SCRIPT = pathlib.Path(__file__).resolve().parent / "async_chief_script.py"
 TOLERANCE = 0.02
-KILL_AFTER = 50       # completed phase-2 steps before worker 1 is killed
-RESTART_AFTER = 1.0   # seconds between the kill and the restart
+KILL_AFTER = acs.CHUNK   # completed phase-2 steps before worker 1 is killed
+RESTART_AFTER = 1.0      # seconds between the kill and the restart
 
 
 def _fault_monitor(state):
@@ -64,10 +70,11 @@ def _fault_monitor(state):
         time.time() >= state["kill_time"] + RESTART_AFTER):
       procs.restart("worker", 1)
       state["restarted"] = True
+      (procs.result_dir / acs.RESTARTED).touch()   # the chief waits for it
   return monitor
 
 
-@pytest.mark.slow(seconds=80)  # one parameter-server cluster, ~3,000 async steps
+@pytest.mark.slow(seconds=80)  # one parameter-server cluster, ~2,000 async steps
 class AsyncReplicatorTest(tf.test.TestCase):
 
   @classmethod
@@ -119,12 +126,12 @@ class AsyncReplicatorTest(tf.test.TestCase):
 
   def test_async_dense_matches_sync(self):
     dense = self.section("dense_async")
-    reference = acs.sync_reference()
+    reference = acs.sync_reference(steps=acs.DENSE_STEPS // 2, lr=acs.DENSE_LR)
     print(f"\n[async] sync {reference:.6f}, async dense {dense['loss']:.6f}, "
           f"optimum {acs.optimum_loss():.6f}, {dense['seconds']:.1f}s, "
           f"steps per worker {dense['steps_per_worker']}")
     self.assertLess(abs(dense["loss"] - reference) / reference, TOLERANCE)
-    self.assertEqual(sum(dense["steps_per_worker"]), acs.ASYNC_STEPS)
+    self.assertEqual(sum(dense["steps_per_worker"]), acs.DENSE_STEPS)
     self.assertTrue(all(s > 0 for s in dense["steps_per_worker"]))  # both worked
     self.assertGreater(dense["first_losses"][0], 10.0)  # started far off
     # A dense push sends every entry of W and b: (512 + 8) * 4 bytes.
@@ -183,7 +190,7 @@ class AsyncReplicatorTest(tf.test.TestCase):
                           atol=1e-5 * np.abs(drained).max())
       self.assertAllEqual(r["residual_w_drained"], np.zeros_like(r["w"]))
     self.assertEqual(record["plain"]["stats"]["drains"], 0)
-    # drain_every=10 over 100 steps: 10 drains expected (binomial, sd 3).
+    # drain_every=5 over 50 steps: 10 drains expected (binomial, sd 2.8).
     self.assertEqual(acs.CONSERVE_STEPS // acs.DRAIN_EVERY, 10)
     self.assertBetween(record["drain"]["stats"]["drains"], 2, 25)
 
@@ -211,9 +218,23 @@ class AsyncReplicatorTest(tf.test.TestCase):
     print(f"\n[async fault] killed worker 1 after {self.fault_state['killed']}, "
           f"phase 2 finished {s['phase2_steps_completed']} steps in "
           f"{s['phase2_seconds']:.1f}s, steps per worker {s['steps_per_worker']}")
-    # The run went on and finished every scheduled step.
-    self.assertEqual(s["phase2_steps_completed"], 500)
-    self.assertGreater(s["steps_per_worker"][1], 0)   # the restarted worker worked
+    # The run went on: chunks scheduled after the kill completed (worker 1
+    # was dead or starting), then AFTER_RESTART steps with both workers.
+    killed_at = self.fault_state["killed"]["completed"]
+    self.assertIsNotNone(s["phase2_steps_before_wait"], msg="no restart seen")
+    self.assertGreater(s["phase2_steps_before_wait"], killed_at)
+    self.assertEqual(s["phase2_steps_completed"],
+                     s["phase2_steps_before_wait"] + acs.AFTER_RESTART)
+    # The restarted worker worked. Its step counter is a per-worker variable
+    # that restarts from 0 with the process, so it counts only steps after
+    # the restart: the steps worker 1 made before the kill (at least its
+    # phase-1 steps) are missing from the total (+ 1: a step in flight at the
+    # kill runs again on worker 0).
+    steps = s["steps_per_worker"]
+    self.assertGreater(s["phase1_steps_per_worker"][1], 0)
+    self.assertLessEqual(sum(steps), acs.FAULT_STEPS + s["phase2_steps_completed"]
+                         + 1 - s["phase1_steps_per_worker"][1])
+    self.assertGreater(steps[1], 0)
     # Restart from the last checkpoint: model as saved, residuals zero, and
     # no gradient mass lost over phase 1 + phase 3.
     self.assertTrue(s["restored_equals_saved"])

@@ -33,7 +33,7 @@ from tests.distribute import multi_worker_util
 
 SCRIPT = pathlib.Path(__file__).resolve().parent / "fault_worker_script.py"
 TIMEOUT = 5.0         # the collective timeout given to the replicator
-STARTUP_TIMEOUT = 4.0  # the start-up timeout, with a worker that never starts
+STARTUP_TIMEOUT = 2.0  # the start-up timeout, with a worker that never starts
 SLACK = 15.0          # detection, error handling and process exit, loaded CPU
 KILL_AFTER_STEPS = 5
 
