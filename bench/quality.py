@@ -45,8 +45,10 @@ and with the papers' settings ("*_paper": no per-variable floor on the
 entries sent, min_count=0, no momentum correction, momentum=0.0, and no
 Adam correction, adam=False). A
 keyword the installed constructor does not accept is dropped and the run is
-marked with a note. A spec may add keywords: "dct+sparsity=0.9+min_count=0". `--metric=dlrm:loss`
-reports another evaluation key of a model instead of its headline metric.
+marked with a note. A spec may add keywords: "dct+sparsity=0.9+min_count=0".
+`--metric=dlrm:loss` reports another evaluation key of a model instead of its
+headline metric (a key the model does not evaluate stops the benchmark after
+that model's first run, naming the keys it does evaluate).
 
 Usage:
   python bench/quality.py                 # full run (see docs/quality.md for its time)
