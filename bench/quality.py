@@ -46,6 +46,9 @@ entries sent, min_count=0, no momentum correction, momentum=0.0, and no
 Adam correction, adam=False). A
 keyword the installed constructor does not accept is dropped and the run is
 marked with a note. A spec may add keywords: "dct+sparsity=0.9+min_count=0".
+`--metric=dlrm:loss` reports another evaluation key of a model instead of its
+headline metric (a key the model does not evaluate stops the benchmark after
+that model's first run, naming the keys it does evaluate).
 
 Usage:
   python bench/quality.py                 # full run (see docs/quality.md for its time)
@@ -268,6 +271,9 @@ def run_one(model: str, optimizer: str, compressor: str, seed: int, *, config: s
   except FloatingPointError as e:  # the launcher's TrainingDiverged
     record["diverged"] = str(e)
   record["wall_seconds"] = time.perf_counter() - start
+  keys = sorted({k for result in job.evals.values() for k in result})
+  if keys and metric not in keys:
+    raise FlagError(f"--metric: {model} evaluates {','.join(keys)}, not {metric!r}")
   record["curve"] = {step: float(result[metric]) for step, result in sorted(job.evals.items())
                      if metric in result}
   record["final"] = (record["curve"][max(record["curve"])]
@@ -514,11 +520,14 @@ def write_docs(markdown: str, png: str | None, path: str = DOC_PATH) -> None:
 def run(models: Sequence[str], optimizers: Sequence[str], compressors: Sequence[str],
         seeds: Sequence[int], *, quick: bool = False, steps: int | None = None,
         evals: int = 4, data_dir: str = "", settings: dict | None = None,
-        verbose: bool = False, log: Callable[[str], None] = print) -> list[dict]:
+        metrics: dict | None = None, verbose: bool = False,
+        log: Callable[[str], None] = print) -> list[dict]:
   """Trains every combination; returns the per-run records (see `run_one`).
 
   `settings` are launcher settings applied to every run on top of each
   model's (e.g. {"num_replicas": 2, "num_devices_per_replica": 2}).
+  `metrics` maps a model to the evaluation key reported instead of its
+  headline metric (e.g. {"dlrm": "loss"}).
   """
   import tf_dct  # pylint: disable=g-import-not-at-top
   tf_dct.split_cpu(NUM_CPUS)
@@ -542,7 +551,8 @@ def run(models: Sequence[str], optimizers: Sequence[str], compressors: Sequence[
             r = run_one(model, optimizer, compressor, seed, config=config,
                         steps=model_steps, evals=evals, data_dir=model_data,
                         settings={**plan.settings, **(settings or {})},
-                        metric=plan.metric, verbose=verbose)
+                        metric=(metrics or {}).get(model) or plan.metric,
+                        verbose=verbose)
             records.append(r)
             status = f"diverged: {r['diverged']}" if r["diverged"] else (
                 f"{r['metric']} {r['final']:.4f}")
@@ -595,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seeds", default="0,1", help="comma list of >= 2 seeds; default 0,1")
   p.add_argument("--steps", type=int, default=None,
                  help="training steps of every run; default per model (MODELS)")
+  p.add_argument("--metric", default="",
+                 help="comma list of model:key, the evaluation key reported for that "
+                 "model instead of its headline metric (e.g. dlrm:loss); default none")
   p.add_argument("--evals", type=int, default=4,
                  help="evaluation points per run (every steps/evals steps); default 4")
   p.add_argument("--data_dir", default="",
@@ -668,6 +681,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     raise FlagError("--data_dir is the ncf ratings directory, but --models has no ncf")
   if args.write_docs and not os.path.isfile(DOC_PATH):
     raise FlagError(f"--write_docs: {DOC_PATH} not found")
+  metric_map = {}
+  for item in _split(args.metric):
+    model, colon, key = item.partition(":")
+    if not colon or not model or not key:
+      raise FlagError(f"--metric: expected model:key, got {item!r}")
+    if model not in models:
+      raise FlagError(f"--metric: {model} is not in --models ({','.join(models)})")
+    if model in metric_map:
+      raise FlagError(f"--metric lists {model} twice")
+    metric_map[model] = key
+  args.metric_map = metric_map
   args.model_list, args.optimizer_list = models, optimizers
   args.compressor_list, args.seed_list = compressors, seeds
   return args
@@ -706,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   start = time.perf_counter()
   records = run(args.model_list, args.optimizer_list, args.compressor_list, args.seed_list,
                 quick=args.quick, steps=args.steps, evals=args.evals,
-                data_dir=args.data_dir, verbose=args.verbose,
+                data_dir=args.data_dir, metrics=args.metric_map, verbose=args.verbose,
                 log=lambda line: print(line, flush=True))
   wall = time.perf_counter() - start
   rows = summarize(records)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from unittest import mock
 
 from absl.testing import parameterized
 import pytest
@@ -212,6 +213,10 @@ class FlagsTest(parameterized.TestCase):
       (["--evals=0"], "--evals must be >= 1"),
       (["--steps=2", "--evals=3"], "must be >= --evals"),
       (["--models=dlrm", "--data_dir=/"], "has no ncf"),
+      (["--metric=dlrm"], "--metric: expected model:key, got 'dlrm'"),
+      (["--metric=dlrm:"], "--metric: expected model:key"),
+      (["--models=ncf", "--metric=dlrm:loss"], "--metric: dlrm is not in --models (ncf)"),
+      (["--metric=dlrm:loss,dlrm:auc"], "--metric lists dlrm twice"),
   )
   def test_bad_flags_are_refused_by_name(self, argv, message):
     with self.assertRaisesRegex(quality.FlagError, re.escape(message)):
@@ -225,6 +230,51 @@ class FlagsTest(parameterized.TestCase):
     quick = quality.parse_args(["--quick", "--compressors=dct"])
     self.assertEqual(quick.model_list, ["ncf"])
     self.assertEqual(quick.compressor_list, ["dense", "dct"])  # dense always runs
+
+  def test_metric_overrides_the_headline_metric_of_its_model(self):
+    self.assertEqual(quality.parse_args([]).metric_map, {})
+    args = quality.parse_args(["--models=dlrm,ncf", "--metric=dlrm:loss"])
+    self.assertEqual(args.metric_map, {"dlrm": "loss"})
+    calls = []
+
+    def fake_run_one(model, optimizer, compressor, seed, **kwargs):
+      calls.append((model, kwargs["metric"]))
+      return {"metric": kwargs["metric"], "final": 0.5, "diverged": None,
+              "payload_ratio": 1.0, "wall_seconds": 0.0}
+
+    with mock.patch.object(quality, "run_one", fake_run_one), \
+        mock.patch.object(quality, "write_ratings"):
+      quality.run(["dlrm", "transformer", "ncf"], ["adam"], ["dense"], [0], steps=2,
+                  metrics={"dlrm": "loss"}, log=lambda line: None)
+    # dlrm as asked; the others keep MODELS' metric (None: the launcher's).
+    self.assertEqual(calls, [("dlrm", "loss"), ("transformer", "loss"), ("ncf", None)])
+
+  def test_an_evaluation_key_the_model_lacks_is_refused_by_name(self):
+
+    class FakeJob:
+      optimizer = None
+
+      def __init__(self, cfg, compressor=None):
+        del cfg, compressor
+        self.evals = {1: {"hr@10": 0.25, "ndcg@10": 0.125}}
+
+      def setup(self):
+        pass
+
+      def run(self):
+        pass
+
+      def communication(self):
+        return None
+
+    with mock.patch("launch.train.Job", FakeJob):
+      record = quality.run_one("ncf", "adam", "dense", 0, config="local", steps=1,
+                               evals=1, metric="ndcg@10")
+      self.assertEqual((record["curve"], record["final"]), ({1: 0.125}, 0.125))
+      with self.assertRaisesRegex(quality.FlagError,
+                                  re.escape("--metric: ncf evaluates hr@10,ndcg@10, not 'auc'")):
+        quality.run_one("ncf", "adam", "dense", 0, config="local", steps=1, evals=1,
+                        metric="auc")
 
   def test_spec_values_may_hold_commas(self):
     args = quality.parse_args(
