@@ -49,7 +49,9 @@ def _collectives(compressor, phase):
                  for i, s in enumerate(harness.SHAPES)]
   grads = [tf.ones(s) for s in harness.SHAPES]
 
-  @tf.function
+  # Without autograph, as `wrap_optimizer` traces a compressor (the
+  # collectives are the same; the trace is shorter).
+  @tf.function(autograph=False)
   def step():
     return repl.run(lambda: [a for a, _ in compressor.aggregate(
         list(zip(grads, variables)))])
