@@ -51,15 +51,17 @@ def continuous_gradients(steps: int, replicas: int, seed: int = 0,
 
 
 def run(compressor, grads, replicas: int, jit_compile: bool = False,
-        shapes=SHAPES, phases: bool = False, autograph: bool = True):
+        shapes=SHAPES, phases: bool = False, autograph: bool = False):
   """Feeds grads[t][r][v] to `compressor.aggregate` on `replicas` replicas.
 
   With `phases`, step t is traced and run in the compressor's phase of t
   (`Compressor.in_phase`, as `wrap_optimizer` drives it); without, every
-  step decides its phase in the graph. With `autograph=False` the step
-  function, hence the compressor, is traced as plain Python, as it is when
-  a Keras optimizer calls it through `wrap_optimizer` (Keras code is not
-  converted); conversion is a large part of tracing on many replicas.
+  step decides its phase in the graph. By default the step function, hence
+  the compressor, is traced as plain Python, as it is when a Keras optimizer
+  calls it through `wrap_optimizer` (Keras code is not converted);
+  conversion is a large part of tracing on many replicas. `autograph=True`
+  converts it, as a user's own `tf.function` step does; one reference test
+  per compressor runs that way.
 
   Returns `(repl, step_fn, variables, history)`; history[t] is `(out,
   states)`: out[r][v] the aggregate on replica r, states[v] the state of

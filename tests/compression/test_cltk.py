@@ -31,7 +31,8 @@ class CLTKReferenceTest(tf.test.TestCase, parameterized.TestCase):
   def test_matches_reference(self, replicas, steps, extra):
     kwargs = dict(density=0.2, **extra)
     grads = harness.gradients(steps, replicas, seed=replicas)
-    _, _, _, history = harness.run(CLTK(**kwargs), grads, replicas)
+    _, _, _, history = harness.run(CLTK(**kwargs), grads, replicas,
+                                      autograph=True)
     refs = _refs(grads, **kwargs)
     harness.assert_matches(self, history, refs, replicas)
     warmup = extra.get("warmup_steps", 0)

@@ -125,7 +125,7 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
            for _ in range(replicas)]
     grads = [small, big]
     *_, history = harness.run(DCTDP(density_band=None, **kwargs), grads, replicas,
-                              shapes=[(n,)])
+                              shapes=[(n,)], autograph=True)
     ref = reference.dct_dp_reference([[g[0] for g in s] for s in grads], **kwargs)
     (out0, st0), (out1, st1) = history
     state0, state1 = st0[0], st1[0]

@@ -31,7 +31,8 @@ class HardThresholdReferenceTest(tf.test.TestCase, parameterized.TestCase):
     # lambda = 1.5 is one of the tied variable's values (multiples of 0.5).
     kwargs = dict(threshold=1.5, capacity_density=0.2, **extra)
     grads = harness.gradients(6, replicas, seed=replicas)
-    _, _, _, history = harness.run(HardThreshold(**kwargs), grads, replicas)
+    _, _, _, history = harness.run(HardThreshold(**kwargs), grads,
+                                      replicas, autograph=True)
     refs = _refs(grads, **kwargs)
     harness.assert_matches(self, history, refs, replicas)
     # Both regimes happened: fewer than the capacity, and overflow kept back.

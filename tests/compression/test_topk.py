@@ -42,7 +42,8 @@ class TopKReferenceTest(tf.test.TestCase, parameterized.TestCase):
     # min_count=0 unless given: k = ceil(n * density) as published.
     kwargs = dict(density=0.2, **{"min_count": 0, **extra})
     grads = harness.gradients(6, replicas, seed=replicas)
-    _, _, _, history = harness.run(TopK(**kwargs), grads, replicas)
+    _, _, _, history = harness.run(TopK(**kwargs), grads, replicas,
+                                      autograph=True)
     refs = _refs(grads, **kwargs)
     harness.assert_matches(self, history, refs, replicas, check_tau=True)
     if "min_count" in extra:
