@@ -24,6 +24,7 @@ LINESTYLES = ("-", "--", "-.", ":")
 _FIRST = tuple((m, LINESTYLES[i % len(LINESTYLES)]) for i, m in enumerate(MARKERS))
 STYLES = _FIRST + tuple((m, ls) for ls, m in itertools.product(LINESTYLES, MARKERS)
                         if (m, ls) not in _FIRST)
+_NO_MARKER = ("None", "", " ", None)
 MARKS_PER_LINE = 12  # markers on a long line: enough to tell it, few enough to see it
 
 RC = {
@@ -60,30 +61,43 @@ def _series(ax) -> list:
 
 
 def distinguish(fig) -> None:
-  """Gives each labelled series a marker and line style no other in its axes has.
+  """Gives each labelled series a (marker, line style) no other in its axes has.
 
-  A series keeps the style its study chose when that style has a marker and is
-  not taken yet in its axes; otherwise it gets the next free entry of
-  `STYLES`. A label seen in an earlier axes keeps that axes' style, so the
-  panels of one figure agree. Long lines carry `MARKS_PER_LINE` markers,
-  shifted per series so markers of overlapping lines do not coincide.
+  A series keeps the style its study chose when that style has a marker and
+  is not taken yet in its axes; a label seen in an earlier axes keeps that
+  axes' style, so the panels of one figure agree. Where the other series'
+  line styles differ (they carry meaning, e.g. solid: ours, dashed: the
+  paper's), a series keeps its line style and gets its colour's marker (a
+  marker no other colour has); otherwise it gets the next free `STYLES`
+  entry. Long lines carry `MARKS_PER_LINE` markers, shifted per series so the
+  markers of overlapping lines do not coincide.
   """
   by_label = {}
   for ax in fig.axes:
     series = _series(ax)
-    used, styles = set(), [None] * len(series)
+    used, styles, owner = set(), [None] * len(series), {}  # owner: marker -> colour
     for k, line in enumerate(series):  # first the styles kept, then the others
       own = (line.get_marker(), line.get_linestyle())
       style = by_label.get(line.get_label())
-      if style is None and own[0] not in ("None", "", " ", None):
+      if style is None and own[0] not in _NO_MARKER:
         style = own
       if style is not None and style not in used:
         styles[k] = style
         used.add(style)
+        owner.setdefault(style[0], line.get_color())
+    meaningful = len({line.get_linestyle() for line in series}) > 1
     for k, line in enumerate(series):
+      if styles[k] is None and meaningful:
+        ls, color = line.get_linestyle(), line.get_color()
+        mine = [m for m in MARKERS if owner.get(m) == color]
+        free = [m for m in MARKERS if m not in owner]
+        marker = next((m for m in mine + free if (m, ls) not in used), None)
+        if marker is not None:
+          styles[k] = (marker, ls)
+          owner.setdefault(marker, color)
       if styles[k] is None:
         styles[k] = next(s for s in STYLES if s not in used)
-        used.add(styles[k])
+      used.add(styles[k])
       by_label.setdefault(line.get_label(), styles[k])
       line.set_marker(styles[k][0])
       line.set_linestyle(styles[k][1])

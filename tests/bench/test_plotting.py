@@ -86,6 +86,21 @@ class PlottingTest(absltest.TestCase):
     self.assertLen(set(styles), 3)
     plotting.pyplot().close(fig)
 
+  def test_line_styles_that_differ_are_kept_and_colours_get_markers(self):
+    # colour: the setting, solid / dashed: without / with the method
+    fig = plotting.figure((2.0, 1.5))
+    ax = fig.subplots()
+    for i in range(3):
+      ax.plot([0, 1], [i, i], f"C{i}-", label=f"base {i}")
+      ax.plot([0, 1], [i, i + 1], f"C{i}--", label=f"method {i}")
+    plotting.finish(fig)
+    styles = plotting.series_styles(fig)[0]
+    self.assertEqual([ls for _, ls in styles], ["-", "--"] * 3)
+    markers = [m for m, _ in styles]
+    self.assertEqual(markers[0::2], markers[1::2])  # one marker per colour
+    self.assertLen(set(markers), 3)
+    plotting.pyplot().close(fig)
+
   def test_legends_sit_below_their_axes(self):
     fig = plotting.figure((4.0, 3.0))
     _draw(fig)
