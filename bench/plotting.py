@@ -157,7 +157,7 @@ def _floats(values) -> list:
 
 
 def record(fig) -> dict:
-  """The figure's axes and lines as a JSON-ready dict (see `draw`)."""
+  """The figure's axes, lines and horizontal bands as a JSON-ready dict (see `draw`)."""
   from matplotlib import ticker  # pylint: disable=g-import-not-at-top
   axes = []
   for ax in fig.axes:
@@ -173,7 +173,14 @@ def record(fig) -> dict:
           "y": _floats(line.get_ydata()), "color": _color(line.get_color()),
           "linestyle": line.get_linestyle(), "marker": line.get_marker(),
           "linewidth": float(line.get_linewidth()), "alpha": line.get_alpha()})
+    spans = []
+    for patch in ax.patches:  # axhspan: a band across the axes
+      if patch.get_data_transform() == ax.get_yaxis_transform() and hasattr(patch, "get_y"):
+        spans.append({"y0": float(patch.get_y()), "y1": float(patch.get_y() + patch.get_height()),
+                      "color": _color(patch.get_facecolor()), "alpha": patch.get_alpha(),
+                      "label": patch.get_label()})
     axes.append({
+        "spans": spans,
         "grid": [int(rows), int(cols), int(start), int(stop)], "title": ax.get_title(),
         "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
         "xscale": _scale(ax.xaxis), "yscale": _scale(ax.yaxis),
@@ -206,6 +213,9 @@ def draw(fig, data: dict) -> None:
         ax.axvline(x[0], **style)
       else:
         ax.plot(x, y, **style)
+    for span in spec.get("spans", []):
+      ax.axhspan(span["y0"], span["y1"], color=span["color"], alpha=span["alpha"],
+                 label=span["label"])
     for name in ("x", "y"):
       scale = spec[f"{name}scale"]
       kwargs = {"base": scale["base"]} if "base" in scale and scale["value"] == "log" else {}

@@ -18,6 +18,7 @@ def _draw(fig):
   for name in ("a", "b", "c"):
     ax1.plot([0, 1, 2], [1, 2, 3], color="C0", label=name)
   ax1.axhline(1.5, color="k", lw=0.5)
+  ax1.axhspan(1.2, 1.8, color="C2", alpha=0.15, label="band")
   ax1.set_yscale("log", base=2)
   ax1.set_title("one")
   ax1.legend(fontsize=5)
@@ -121,6 +122,8 @@ class PlottingTest(absltest.TestCase):
     self.assertEqual(data["axes"][1]["xticks"], [0.0, 50.0, 99.0])
     self.assertEqual([ln["kind"] for ln in data["axes"][0]["lines"]],
                      ["line", "line", "line", "hline"])
+    self.assertEqual(data["axes"][0]["spans"], [
+        {"y0": 1.2, "y1": 1.8, "color": "#2ca02c", "alpha": 0.15, "label": "band"}])
     again = os.path.join(self.dir, "again.png")
     plotting.replot(stored, again)
     fig = plotting.figure(tuple(data["figsize"]))
