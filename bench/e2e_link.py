@@ -792,9 +792,10 @@ def _label(result: dict) -> str:
 def plot(results: Sequence[dict], path: str) -> None:
   """Draws step time and test loss against native of every configuration,
   one group of bars per result (a run's `run()` return or --json file)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  if REPO_ROOT not in sys.path:  # run as a script: the repository root is not on it
+    sys.path.insert(0, REPO_ROOT)
+  from bench import plotting  # pylint: disable=g-import-not-at-top
+  plt = plotting.pyplot()
   groups = []
   for result in results:
     v = result["verdict"]
@@ -830,8 +831,7 @@ def plot(results: Sequence[dict], path: str) -> None:
   axes[1].set_xlabel("test loss vs native (%); dashed: +1%")
   fig.suptitle("DLRM on an emulated link (bench/e2e_link.py), against stock TensorFlow")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  plotting.save(fig, path)
 
 
 def print_header(args: argparse.Namespace, shaping: Shaping, first: dict,

@@ -467,13 +467,13 @@ def report(rows: Sequence[dict], command: str, wall: float) -> str:
 
 def plot(rows: Sequence[dict], records: Sequence[dict], path: str) -> None:
   """One panel per (model, optimizer): mean curve per compressor, dense's seed range."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from bench import plotting  # pylint: disable=g-import-not-at-top
+  plt = plotting.pyplot()
   groups = list(dict.fromkeys((r["model"], r["optimizer"]) for r in rows))
   cols = min(3, len(groups))
   nrows = -(-len(groups) // cols)
-  fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+  fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.8 * nrows), squeeze=False,
+                           layout="constrained")  # room for the legends below
   for ax, (model, optimizer) in zip(axes.flat, groups):
     group = [r for r in rows if (r["model"], r["optimizer"]) == (model, optimizer)]
     dense_runs = [r for r in records if (r["model"], r["optimizer"], r["compressor"])
@@ -485,17 +485,16 @@ def plot(rows: Sequence[dict], records: Sequence[dict], path: str) -> None:
       ax.fill_between(steps, lo, hi, color="0.85", label="dense seed range")
     for r in group:
       steps = sorted(r["curve"])
-      ax.plot(steps, [r["curve"][s] for s in steps], marker="o", markersize=3,
-              label=r["compressor"], color="black" if r["compressor"] == "dense" else None)
-    ax.set_title(f"{model}, {optimizer}", fontsize=10)
+      # markers and line styles: bench/plotting.py, one per compressor
+      ax.plot(steps, [r["curve"][s] for s in steps], label=r["compressor"],
+              color="black" if r["compressor"] == "dense" else None)
+    ax.set_title(f"{model}, {optimizer}")
     ax.set_xlabel("step")
     ax.set_ylabel(group[0]["metric"])
-    ax.legend(fontsize=7)
+    ax.legend()
   for ax in list(axes.flat)[len(groups):]:
     ax.axis("off")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  plotting.save(fig, path)
 
 
 def write_docs(markdown: str, png: str | None, path: str = DOC_PATH) -> None:

@@ -4,13 +4,15 @@ Every study lives in `bench/studies/<name>.py` and exposes
 `DESCRIPTION: str`, `define(parser)` (its own flags) and
 `run(args) -> Result` (see `bench/studies/common.py`). The result is written
 to `docs/reproduction/<name>.md` and `docs/reproduction/<name>.png`, stating
-data, settings and the command that produced it.
+data, settings and the command that produced it; `<name>.json` holds the
+plotted series, which `--replot` redraws without running the study.
 
 Usage:
   python bench/reproduce.py list
   python bench/reproduce.py <study> --quick     # each study < 5 min on 2 cores
   python bench/reproduce.py <study>             # full mode (committed results)
   python bench/reproduce.py all --quick
+  python bench/reproduce.py <study> --replot    # redraw the PNG from its JSON
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
       study_args = p.parse_args(common.common_argv(args))
     else:
       study_args = args
+    if study_args.replot:
+      print(f"[{name}] replotted -> " + ", ".join(common.replot(name, study_args)),
+            flush=True)
+      continue
     start = time.time()
     result = module.run(study_args)
     seconds = time.time() - start

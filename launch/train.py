@@ -34,6 +34,43 @@ import time
 KERAS_CHOICES = ("auto", "2", "3")
 
 
+_TRUE, _FALSE = ("true", "t", "1"), ("false", "f", "0")
+
+
+def early_flag(argv: list[str], name: str, default):
+  """Flag `name` of `argv` as absl will parse it, read before absl parses
+  the flags (settings that must hold before TensorFlow is imported).
+
+  `-name` and `--name` alike; the last occurrence wins; parsing stops at
+  `--`. A string flag (`default` a str) is `--name=value` or `--name value`.
+  A boolean flag (`default` a bool) is `--name`, `--noname` or
+  `--name=true|false` (also t/f/1/0, any case); a value absl would reject
+  leaves the previous one, and absl reports it when it parses the flags.
+  """
+  boolean = isinstance(default, bool)
+  value, i = default, 0
+  while i < len(argv):
+    arg = argv[i]
+    if arg == "--":
+      break
+    if arg.startswith("-"):
+      key, eq, text = arg[2 if arg.startswith("--") else 1:].partition("=")
+      if key == name and eq:
+        if not boolean:
+          value = text
+        elif text.lower() in _TRUE + _FALSE:
+          value = text.lower() in _TRUE
+      elif key == name and boolean:
+        value = True
+      elif key == name and i + 1 < len(argv):
+        i += 1
+        value = argv[i]
+      elif boolean and not eq and key == f"no{name}":
+        value = False
+    i += 1
+  return value
+
+
 def select_keras(argv: list[str]) -> None:
   """Sets `TF_USE_LEGACY_KERAS` from `--keras` in `argv`, before TensorFlow
   resolves `tf.keras` (absl parses the flag later, when it is too late).
@@ -41,12 +78,7 @@ def select_keras(argv: list[str]) -> None:
   2: tf-keras, 3: Keras 3, auto (or absent): the environment's
   `TF_USE_LEGACY_KERAS`, else tf-keras (TFRS, which DLRM and NCF use, needs it).
   """
-  choice = "auto"
-  for i, arg in enumerate(argv):
-    if arg.startswith("--keras="):
-      choice = arg.split("=", 1)[1]
-    elif arg == "--keras" and i + 1 < len(argv):
-      choice = argv[i + 1]
+  choice = early_flag(argv, "keras", "auto")
   if choice in ("2", "3"):
     os.environ["TF_USE_LEGACY_KERAS"] = "1" if choice == "2" else "0"
   else:
@@ -67,13 +99,7 @@ def uses_no_gpu(argv: list[str]) -> bool:
   """Whether the run `argv` describes uses no GPU: its --replicator (read
   before absl parses the flags, as `select_keras` does) is cpu (the default)
   or tpu."""
-  kind = "cpu"
-  for i, arg in enumerate(argv):
-    if arg.startswith("--replicator="):
-      kind = arg.split("=", 1)[1]
-    elif arg == "--replicator" and i + 1 < len(argv):
-      kind = argv[i + 1]
-  return kind in NO_GPU_REPLICATORS
+  return early_flag(argv, "replicator", "cpu") in NO_GPU_REPLICATORS
 
 
 def dropped_lines(lines: list[bytes], markers: tuple[bytes, ...]) -> list[bytes]:

@@ -1,4 +1,4 @@
-"""Shared output for `bench/reproduce.py`: markdown table + PNG per study."""
+"""Shared output for `bench/reproduce.py`: markdown table, PNG and JSON per study."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import datetime
 import os
 import platform
 from typing import Callable, Sequence
+
+from bench import plotting
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT = os.path.join(_ROOT, "docs", "reproduction")
@@ -39,12 +41,16 @@ def define_common(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--quick", action="store_true",
                       help="smoke-sized run, < 5 minutes on 2 cores")
   parser.add_argument("--out_dir", default=DEFAULT_OUT,
-                      help="where <study>.md and <study>.png go")
+                      help="where <study>.md, <study>.png and <study>.json go")
+  parser.add_argument("--replot", action="store_true",
+                      help="redraw <study>.png from <study>.json in the current "
+                      "style instead of running the study")
 
 
 def common_argv(args: argparse.Namespace) -> list[str]:
   argv = ["--out_dir", args.out_dir]
-  return argv + (["--quick"] if args.quick else [])
+  return (argv + (["--quick"] if args.quick else [])
+          + (["--replot"] if args.replot else []))
 
 
 def logical_cpus(wanted: int, strict: bool = False) -> list[str]:
@@ -99,23 +105,39 @@ def _without_out_dir(argv: Sequence[str]) -> list[str]:
   return out
 
 
+def output_name(name: str, args: argparse.Namespace) -> str:
+  """`name`, or `<name>_quick` for a --quick run (never overwrites full results)."""
+  return name + "_quick" if args.quick else name
+
+
+def replot(name: str, args: argparse.Namespace) -> list[str]:
+  """Redraws `<out_dir>/<name>.png` from the series its run stored in `<name>.json`."""
+  name = output_name(name, args)
+  path = os.path.join(args.out_dir, f"{name}.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"--replot needs {path}: run the study once first")
+  png = os.path.join(args.out_dir, f"{name}.png")
+  plotting.replot(path, png)
+  return [png]
+
+
 def write(name: str, result: Result, args: argparse.Namespace, seconds: float,
           argv: Sequence[str]) -> list[str]:
-  """Writes `<out_dir>/<name>.md` (+ `.png`); `<name>_quick.*` if --quick."""
+  """Writes `<out_dir>/<name>.md` (+ `.png`, `.json`); `<name>_quick.*` if --quick.
+
+  The JSON holds the plotted series, so `--replot` can redraw the PNG in a
+  later style without re-running the study.
+  """
   os.makedirs(args.out_dir, exist_ok=True)
   paths = []
-  if args.quick:  # never overwrite the committed full-mode results
-    name += "_quick"
+  name = output_name(name, args)
   png = os.path.join(args.out_dir, f"{name}.png")
+  series = os.path.join(args.out_dir, f"{name}.json")
   if result.plot is not None:
-    import matplotlib  # pylint: disable=g-import-not-at-top
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-    fig = plt.figure(figsize=(7, 4.5))
+    fig = plotting.figure()
     result.plot(fig)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    plotting.save_json(plotting.record(fig), series)
+    plotting.save(fig, png)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   command = "python bench/reproduce.py " + " ".join(_without_out_dir(argv))
   md = [f"# {result.title}", "",
@@ -135,5 +157,5 @@ def write(name: str, result: Result, args: argparse.Namespace, seconds: float,
     f.write("\n".join(md))
   paths.append(path)
   if result.plot is not None:
-    paths.append(png)
+    paths += [png, series]
   return paths

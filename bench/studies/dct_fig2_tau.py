@@ -266,8 +266,8 @@ def run(args: argparse.Namespace) -> common.Result:
     ax1.set_yscale("log")
     ax1.set_xlabel("iteration")
     ax1.set_ylabel(f"tau of {PLOT_LAYER} (replica 0)")
-    ax1.set_title("tau per iteration (cf. DCT Fig 2)", fontsize=9)
-    ax1.legend(fontsize=6)
+    ax1.set_title("tau per iteration (cf. DCT Fig 2)")
+    ax1.legend()
     k = summary[(plain, PLOT_LAYER)]["k"]
     for name, style in ((plain, "C3-"), (guard, "C2-")):
       ax2.plot(x, log[name][PLOT_LAYER][1][:, 0] / k, style, lw=0.7,
@@ -277,8 +277,8 @@ def run(args: argparse.Namespace) -> common.Result:
     ax2.set_yscale("log")
     ax2.set_xlabel("iteration")
     ax2.set_ylabel("entries reaching tau / K (replica 0)")
-    ax2.set_title(f"what a reused tau selects, {PLOT_LAYER}", fontsize=9)
-    ax2.legend(fontsize=6)
+    ax2.set_title(f"what a reused tau selects, {PLOT_LAYER}")
+    ax2.legend()
 
   # Headline numbers for the verdict.
   fig2 = summary[(every, PLOT_LAYER)]

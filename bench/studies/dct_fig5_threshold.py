@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> common.Result:
                 label=f"DCT-MP, eta={s:g}")
       ax.set_xlabel("iteration")
       ax.set_ylabel("mean top-K threshold (probe batch)")
-      ax.set_title(f"{opt.upper()} (cf. DCT Fig 5)", fontsize=9)
-      ax.legend(fontsize=6)
+      ax.set_title(f"{opt.upper()} (cf. DCT Fig 5)")
+      ax.legend()
 
   def said(opt):
     parts = []

@@ -354,8 +354,8 @@ def eta_sweep_plot(fig, runs: dict, dense: dict, table: Sequence[tuple],
   ax1.axhline(0, color="k", lw=0.5)
   ax1.set_xlabel(xlabel)
   ax1.set_ylabel("test loss vs dense (%)")
-  ax1.set_title(title, fontsize=9)
-  ax1.legend(fontsize=7)
+  ax1.set_title(title)
+  ax1.legend()
   window = max(1, steps // 20)
 
   def smooth(xs):
@@ -367,8 +367,8 @@ def eta_sweep_plot(fig, runs: dict, dense: dict, table: Sequence[tuple],
     ax2.plot(smooth(r["curve"]), lw=0.8, label=f"eta={eta:g}")
   ax2.set_xlabel("step")
   ax2.set_ylabel(f"training loss (mean of {window} steps)")
-  ax2.set_title("training curves", fontsize=9)
-  ax2.legend(fontsize=6)
+  ax2.set_title("training curves")
+  ax2.legend()
 
 
 def dlrm_settings(cfg: dict, eval_batches: int, extra: str = "") -> str:
@@ -487,8 +487,8 @@ def run(args: argparse.Namespace) -> common.Result:
     ax1.axhline(0, color="k", lw=0.5)
     ax1.set_xlabel("DCT-MP sparsity eta (%)")
     ax1.set_ylabel("test loss vs dense (%)")
-    ax1.set_title("DCT Table 1: test loss", fontsize=9)
-    ax1.legend(fontsize=6)
+    ax1.set_title("DCT Table 1: test loss")
+    ax1.legend()
     window = max(1, steps // 20)
     def smooth(xs):
       return [sum(xs[max(0, i - window + 1):i + 1]) / len(xs[max(0, i - window + 1):i + 1])
@@ -499,8 +499,8 @@ def run(args: argparse.Namespace) -> common.Result:
                label=f"eta={eta:g}, {n} split(s)")
     ax2.set_xlabel("step")
     ax2.set_ylabel(f"training loss (mean of {window} steps)")
-    ax2.set_title("training curves", fontsize=9)
-    ax2.legend(fontsize=6)
+    ax2.set_title("training curves")
+    ax2.legend()
 
   verdict = _verdict(dense, runs, noise, reinit is not None)
   settings = dlrm_settings(cfg(), eval_batches, extra=f"""

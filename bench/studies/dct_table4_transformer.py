@@ -211,11 +211,11 @@ def run(args: argparse.Namespace) -> common.Result:
       ax.axhline(0, color="k", lw=0.5)
       ax.set_xlabel("MP splits")
       ax.set_xticks([1, 2, 4])
-      ax.legend(fontsize=6)
+      ax.legend()
     ax1.set_ylabel("test loss vs dense (%)")
     ax2.set_ylabel("BLEU - dense BLEU")
-    ax1.set_title("DCT Table 4: test loss", fontsize=9)
-    ax2.set_title("DCT Table 4: BLEU", fontsize=9)
+    ax1.set_title("DCT Table 4: test loss")
+    ax2.set_title("DCT Table 4: BLEU")
 
   settings = f"""
 - Task: `models.data.text.synthetic_translation` pairs (4-10 words, {args.vocab}

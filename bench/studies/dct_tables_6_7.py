@@ -116,8 +116,8 @@ def run(args: argparse.Namespace) -> common.Result:
     ax1.axhline(0, color="k", lw=0.5)
     ax1.set_xlabel("compression of the compressed direction, eta (%)")
     ax1.set_ylabel("test loss vs dense (%)")
-    ax1.set_title("DCT Tables 6-7 (+ Table 1, 1 split)", fontsize=9)
-    ax1.legend(fontsize=5)
+    ax1.set_title("DCT Tables 6-7 (+ Table 1, 1 split)")
+    ax1.legend()
     for i, mode in enumerate(MODES):
       ax2.plot([ratios[(mode, e)]["round_trip"] for e in etas],
                [t1.delta(runs[(mode, e)]["test"]["loss"], dense["test"]["loss"]) for e in etas],
@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> common.Result:
     ax2.axhline(0, color="k", lw=0.5)
     ax2.set_xlabel("traffic reduction: bytes dense / sent, forward + backward")
     ax2.set_ylabel("test loss vs dense (%)")
-    ax2.set_title("test loss against total traffic (ours)", fontsize=9)
-    ax2.legend(fontsize=6)
+    ax2.set_title("test loss against total traffic (ours)")
+    ax2.legend()
 
   settings = t1.dlrm_settings(cfg(), eval_batches, extra=f"""
 - Split: `DCTSplit(eta, mode=...)` at {', '.join(splits)} (width {', '.join(map(str, widths))}),

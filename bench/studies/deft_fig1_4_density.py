@@ -260,8 +260,8 @@ def run(args: argparse.Namespace) -> common.Result:
     ax1.set_yscale("log")
     ax1.set_xlabel("workers n")
     ax1.set_ylabel("achieved density nnz / n_g")
-    ax1.set_title("density vs workers (cf. DEFT Fig 1)", fontsize=9)
-    ax1.legend(fontsize=6)
+    ax1.set_title("density vs workers (cf. DEFT Fig 1)")
+    ax1.legend()
     if real_n:
       big = max(real_n)
       for i, name in enumerate(NAMES):
@@ -271,9 +271,8 @@ def run(args: argparse.Namespace) -> common.Result:
       ax2.set_yscale("log")
       ax2.set_xlabel("iteration")
       ax2.set_ylabel("achieved density")
-      ax2.set_title(f"over iterations, real n={big} (cf. DEFT Fig 4)",
-                    fontsize=9)
-      ax2.legend(fontsize=6)
+      ax2.set_title(f"over iterations, real n={big} (cf. DEFT Fig 4)")
+      ax2.legend()
 
   top_sim = {n: sim[n]["TopK"] / DENSITY for n in sim_n}
   deft_max = max([sim[n]["DEFT"] for n in sim_n] +

@@ -65,20 +65,19 @@ def run(args: argparse.Namespace) -> common.Result:
 
   def plot(fig):
     ax1, ax2 = fig.subplots(1, 2)
-    for i, name in enumerate(names):
-      style = "--" if name == scaled else "-"
-      ax1.plot(log[name]["error"], f"C{i}{style}", lw=0.8, label=name)
+    for i, name in enumerate(names):  # markers and line styles: bench/plotting.py
+      ax1.plot(log[name]["error"], color=f"C{i}", lw=0.9, label=name)
       ax2.plot(np.convolve(log[name]["loss"], np.ones(10) / 10, "valid"),
-               f"C{i}{style}", lw=0.8, label=name)
+               color=f"C{i}", lw=0.9, label=name)
     ax1.set_xlabel("iteration")
     ax1.set_ylabel("error ||e_t|| (mean over workers)")
     ax1.set_yscale("log")
-    ax1.set_title(f"residual norm, n={n} (cf. DEFT Fig 5/6)", fontsize=9)
-    ax1.legend(fontsize=6)
+    ax1.set_title(f"residual norm, n={n} (cf. DEFT Fig 5/6)")
+    ax1.legend()
     ax2.set_xlabel("iteration")
     ax2.set_ylabel("training loss (10-step mean)")
-    ax2.set_title("loss", fontsize=9)
-    ax2.legend(fontsize=6)
+    ax2.set_title("loss")
+    ax2.legend()
 
   end = {name: float(np.mean(log[name]["error"][-q:])) for name in names}
   lowest = min(("TopK", "DEFT", "CLTK"), key=end.get)

@@ -254,8 +254,8 @@ def run(args: argparse.Namespace) -> common.Result:
     ax.set_yscale("log", base=2)
     ax.set_xlabel("workers n")
     ax.set_ylabel("selection speed-up over whole-model top-k")
-    ax.set_title("DEFT selection speed-up (cf. DEFT Fig 9)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_title("DEFT selection speed-up (cf. DEFT Fig 9)")
+    ax.legend()
 
   impl = {n: results[n]["whole"] / results[n]["as_impl"] for n in ns}
   ladder = {n: results[n]["whole"] / results[n]["ladder"] for n in ns}

@@ -24,7 +24,13 @@ def run_tiny(test: tf.test.TestCase, study: str, *args: str) -> str:
   out = test.create_tempdir().full_path
   reproduce.main([study, "--quick", "--steps", "2", "--no_reinit",
                   "--out_dir", out, *args])
-  test.assertTrue(os.path.exists(os.path.join(out, f"{study}_quick.png")))
+  png = os.path.join(out, f"{study}_quick.png")
+  test.assertTrue(os.path.exists(png))
+  # the plotted series are stored beside it; --replot redraws the PNG from them
+  test.assertTrue(os.path.exists(os.path.join(out, f"{study}_quick.json")))
+  os.remove(png)
+  reproduce.main([study, "--quick", "--replot", "--out_dir", out])
+  test.assertTrue(os.path.exists(png))
   with open(os.path.join(out, f"{study}_quick.md"), encoding="utf-8") as f:
     return f.read()
 

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
 import keras
 import tf_keras
 
-import tf_dct
 from tf_dct import compression
 from tests import util
+from tests.compression import correction
 from tests.compression import harness
-from tests.compression import test_adam_correction
 
 DCTDP = harness.compress_all(compression.DCTDP)
 TopK = harness.compress_all(compression.TopK)
@@ -44,7 +40,7 @@ def adagrad_topk_reference(grads, k, mode, hparams=HPARAMS):
   acc = np.full(n, initial, np.float64)
   out = []
   for step in grads:
-    acc = acc + test_adam_correction.second_moment_reference(
+    acc = acc + correction.second_moment_reference(
         step, shape, mode).reshape(-1)
     d = np.zeros(n)
     for r in range(replicas):
@@ -129,21 +125,9 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
 class AccountingTest(tf.test.TestCase):
 
   def test_the_side_channel_is_counted(self):
-    # rows + columns floats of the matrix, every entry of the vector, per
-    # replica and step, on top of what TopK sends without the correction.
-    grads = harness.continuous_gradients(2, 2, seed=3)
-    payload = {}
-    for on in (False, True):
-      comp = TopK(0.2, min_count=0, adagrad=on)
-      if on:
-        _with_adagrad(comp)
-      harness.run(comp, grads, 2)
-      stats = comp.communication_stats()["variables"]
-      payload[on] = [stats[name]["total"]["payload_bytes"]
-                     for name in ("w0", "w1")]
-    for v, side in enumerate((11 * 4, 17 * 4)):
-      self.assertAllEqual(np.asarray(payload[True][v]) - payload[False][v],
-                          [2 * side, 2 * side])
+    correction.check_side_channel_counted(
+        self, lambda on: _with_adagrad(TopK(0.2, min_count=0, adagrad=True)) if on
+        else TopK(0.2, min_count=0, adagrad=False))
 
 
 class NonFiniteTest(tf.test.TestCase):
@@ -153,7 +137,7 @@ class NonFiniteTest(tf.test.TestCase):
                              "TopK: non-finite gradient for variable")
 
 
-class KerasTest(test_adam_correction.KerasRun, parameterized.TestCase):
+class KerasTest(correction.KerasRun, parameterized.TestCase):
   """Through `wrap_optimizer` with an Adagrad of either Keras flavour."""
 
   @parameterized.named_parameters(("tf_keras", tf_keras), ("keras3", keras))
@@ -163,19 +147,7 @@ class KerasTest(test_adam_correction.KerasRun, parameterized.TestCase):
     # excluded: it keeps the optimizer's own update.
     comp = TopK(1.0, exclude=("bias",), adagrad=True,
                 adagrad_accumulator="exact")
-    model, _, ours = self._train(comp, lambda: k.optimizers.Adagrad(0.1), k=k)
-    backing = [getattr(v, "value", v) if k is keras else v
-               for v in model.trainable_variables]
-    kernels = [v for v in backing if "kernel" in v.name]
-    biases = [v for v in backing if "bias" in v.name]
-    self.assertLen(kernels, 2)
-    self.assertTrue(all(comp.corrects_optimizer(v) for v in kernels))
-    self.assertFalse(any(comp.corrects_optimizer(v) for v in biases))
-    _, _, dense = self._train(None, lambda: k.optimizers.Adagrad(0.1), k=k)
-    for a, b in zip(ours, dense):
-      for wa, wb in zip(a, b):
-        self.assertAllClose(wa, wb, atol=1e-6, rtol=1e-5)
-    self.assertGreater(np.abs(ours[-1][0] - ours[0][0]).max(), 1e-3)
+    self._check_equals_dense(comp, lambda: k.optimizers.Adagrad(0.1), k)
 
   def test_switched_on_by_adagrad_only(self):
     for make, on in ((lambda: tf_keras.optimizers.Adagrad(0.1), True),
@@ -191,34 +163,16 @@ class KerasTest(test_adam_correction.KerasRun, parameterized.TestCase):
                            for v in model.trainable_variables))
 
   def test_checkpoint_restore_leaves_the_trajectory_unchanged(self):
-    comp = DCTDP(0.8, threshold_life=2, adagrad=True)
-    model, opt, train = self._setup(comp, tf_keras.optimizers.Adagrad(0.1))
-    train(3)
-    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
-    path = ckpt.save(os.path.join(tempfile.mkdtemp(), "ckpt"))
-    var = model.trainable_variables[0]
-    self.assertGreater(np.abs(comp.state_values(var)["adagrad_acc"][0]).max(),
-                       HPARAMS[0])
-    first = train(3)
-    for st in comp.state.values():
-      for key in ("adagrad_acc", "residual"):
-        for v in st[key].variables_per_replica:
-          v.assign(tf.zeros_like(v) + 7.0)
-    ckpt.restore(path)
-    again = train(3)
-    for a, b in zip(first, again):
-      for wa, wb in zip(a, b):
-        self.assertAllEqual(wa, wb)
+    self._check_restore_keeps_trajectory(
+        DCTDP(0.8, threshold_life=2, adagrad=True), tf_keras.optimizers.Adagrad(0.1),
+        ("adagrad_acc", "residual"), grown=("adagrad_acc", HPARAMS[0]))
 
   def test_bad_settings_are_rejected(self):
-    for kwargs, pattern in (({"adagrad": "yes"}, r"adagrad must be None, True "
-                             r"or False, got 'yes'"),
-                            ({"adagrad_accumulator": "full"},
-                             r"adagrad_accumulator must be one of "
-                             r"\('factored', 'exact'\), got 'full'")):
-      for cls in (compression.DCTDP, compression.TopK, compression.DEFT):
-        with self.assertRaisesRegex(ValueError, f"{cls.__name__}: {pattern}"):
-          cls(**kwargs)
+    cases = (({"adagrad": "yes"}, r"adagrad must be None, True or False, got 'yes'"),
+             ({"adagrad_accumulator": "full"},
+              r"adagrad_accumulator must be one of \('factored', 'exact'\), got 'full'"))
+    self._check_settings_rejected(
+        cases, (compression.DCTDP, compression.TopK, compression.DEFT))
     with self.assertRaisesRegex(ValueError, r"DCTDP: adagrad=True .* needs an "
                                 r"Adagrad optimizer"):
       self._setup(DCTDP(adagrad=True), tf_keras.optimizers.SGD(0.1))

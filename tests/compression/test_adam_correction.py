@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
 import keras
 import tf_keras
 
-import tf_dct
 from tf_dct import compression
 from tests import util
+from tests.compression import correction
 from tests.compression import harness
 
 DCTDP = harness.compress_all(compression.DCTDP)
@@ -27,20 +24,6 @@ def setUpModule():
 
 SHAPES = harness.SHAPES
 BETAS = (0.9, 0.999, 1e-7)
-
-
-def second_moment_reference(per_replica, shape, mode):
-  """V from the replicas' gradients of one variable, as the module states."""
-  grads = [np.asarray(g, np.float64).reshape(shape) for g in per_replica]
-  if mode == "exact":
-    return np.square(sum(grads))
-  p = len(grads)
-  squares = sum(np.square(g) for g in grads) * p     # P * sum_r g_r^2
-  if len(shape) < 2:
-    return squares
-  mat = squares.reshape(-1, shape[-1])
-  rows, cols = mat.sum(axis=1), mat.sum(axis=0)
-  return (np.outer(rows, cols) / rows.sum()).reshape(shape)
 
 
 def adam_topk_reference(grads, k, mode, select, betas=BETAS,
@@ -63,7 +46,7 @@ def adam_topk_reference(grads, k, mode, select, betas=BETAS,
   ms = [np.zeros(n) for _ in range(replicas)]
   out = []
   for t, step in enumerate(grads, start=1):
-    second = second_moment_reference(step, shape, mode).reshape(-1)
+    second = correction.second_moment_reference(step, shape, mode).reshape(-1)
     v = beta_2 * v + (1 - beta_2) * second
     scale = np.sqrt(1 - beta_2**t) / (np.sqrt(v) + eps)
     update = np.zeros(n)
@@ -206,21 +189,9 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
 class AccountingTest(tf.test.TestCase):
 
   def test_the_side_channel_is_counted(self):
-    # The factored side channel all-reduces rows + columns floats of a
-    # matrix and every entry of a vector: (6 + 5) * 4 and 17 * 4 bytes per
-    # replica and step on top of what the same compressor sends without it.
-    grads = harness.continuous_gradients(2, 2, seed=3)
-    payload = {}
-    for adam in (False, True):
-      comp = TopK(0.2, min_count=0, adam=adam)
-      if adam:
-        _with_adam(comp)
-      harness.run(comp, grads, 2)
-      stats = comp.communication_stats()["variables"]
-      payload[adam] = [stats[name]["total"]["payload_bytes"] for name in ("w0", "w1")]
-    for v, side in enumerate((11 * 4, 17 * 4)):
-      self.assertAllEqual(np.asarray(payload[True][v]) - payload[False][v],
-                          [2 * side, 2 * side])  # 2 steps, per replica
+    correction.check_side_channel_counted(
+        self, lambda on: _with_adam(TopK(0.2, min_count=0, adam=True)) if on
+        else TopK(0.2, min_count=0, adam=False))
 
 
 class NonFiniteTest(tf.test.TestCase):
@@ -234,46 +205,7 @@ class NonFiniteTest(tf.test.TestCase):
         0.9, threshold_life=2, adam=True)))
 
 
-class KerasRun(tf.test.TestCase):
-  """A small model trained through `wrap_optimizer` on 2 replicas (shared
-  with test_adagrad_correction)."""
-
-  def _setup(self, compressor, optimizer, replicas=2, k=tf_keras):
-    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
-    with repl.scope():
-      k.utils.set_random_seed(0)
-      model = k.Sequential([k.Input((4,)), k.layers.Dense(6, activation="tanh"),
-                            k.layers.Dense(1)])
-      if callable(optimizer):  # Keras 3 optimizers must be made in the scope
-        optimizer = optimizer()
-      opt = repl.wrap_optimizer(optimizer, compression=compressor)
-    opt.build(model.trainable_variables)
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(16, 4)).astype(np.float32)
-    y = rng.normal(size=(16, 1)).astype(np.float32)
-    data = tf.data.Dataset.from_tensors((x, y)).repeat()  # the same batch
-
-    @tf.function
-    def train_step(iterator):
-      return repl.run(util.squared_error_step(model, opt, 16),
-                      args=(next(iterator),))
-
-    iterator = iter(repl.experimental_distribute_dataset(data))
-
-    def train(steps):
-      weights = []
-      for _ in range(steps):
-        train_step(iterator)
-        weights.append([w.numpy() for w in model.trainable_variables])
-      return weights
-    return model, opt, train
-
-  def _train(self, compressor, optimizer, steps=5, k=tf_keras):
-    model, opt, train = self._setup(compressor, optimizer, k=k)
-    return model, opt, train(steps)
-
-
-class KerasTest(KerasRun, parameterized.TestCase):
+class KerasTest(correction.KerasRun, parameterized.TestCase):
   """Through `wrap_optimizer` with an Adam of either Keras flavour."""
 
   @parameterized.named_parameters(
@@ -290,19 +222,7 @@ class KerasTest(KerasRun, parameterized.TestCase):
     comp = TopK(1.0, exclude=("bias",), adam=True,
                             adam_second_moment="exact", adam_select="raw",
                             adam_first_moment=first_moment)
-    model, _, ours = self._train(comp, lambda: make(0.01), k=k)
-    backing = [getattr(v, "value", v) if k is keras else v
-               for v in model.trainable_variables]
-    kernels = [v for v in backing if "kernel" in v.name]
-    biases = [v for v in backing if "bias" in v.name]
-    self.assertLen(kernels, 2)
-    self.assertTrue(all(comp.corrects_optimizer(v) for v in kernels))
-    self.assertFalse(any(comp.corrects_optimizer(v) for v in biases))
-    _, _, dense = self._train(None, lambda: make(0.01), k=k)
-    for a, b in zip(ours, dense):
-      for wa, wb in zip(a, b):
-        self.assertAllClose(wa, wb, atol=1e-6, rtol=1e-5)
-    self.assertGreater(np.abs(ours[-1][0] - ours[0][0]).max(), 1e-3)
+    self._check_equals_dense(comp, lambda: make(0.01), k)
 
   def test_on_by_default_with_adam_only(self):
     for make, on in ((lambda: tf_keras.optimizers.Adam(1e-3), True),
@@ -325,39 +245,20 @@ class KerasTest(KerasRun, parameterized.TestCase):
                          for v in model.trainable_variables))
 
   def test_checkpoint_restore_leaves_the_trajectory_unchanged(self):
-    comp = DCTDP(0.8, threshold_life=2)
-    model, opt, train = self._setup(comp, tf_keras.optimizers.Adam(0.01))
-    train(3)
-    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
-    path = ckpt.save(os.path.join(tempfile.mkdtemp(), "ckpt"))
-    var = model.trainable_variables[0]
-    self.assertGreater(np.abs(comp.state_values(var)["adam_v"][0]).max(), 0)
-    first = train(3)
-    for st in comp.state.values():
-      for key in ("adam_m", "adam_v", "adam_t", "residual"):
-        for v in st[key].variables_per_replica:
-          v.assign(tf.zeros_like(v) + 7.0)
-    ckpt.restore(path)
-    again = train(3)
-    for a, b in zip(first, again):
-      for wa, wb in zip(a, b):
-        self.assertAllEqual(wa, wb)
+    self._check_restore_keeps_trajectory(
+        DCTDP(0.8, threshold_life=2), tf_keras.optimizers.Adam(0.01),
+        ("adam_m", "adam_v", "adam_t", "residual"), grown=("adam_v", 0))
 
   def test_bad_settings_are_rejected(self):
-    for kwargs, pattern in (({"adam": "yes"}, r"adam must be None, True or "
-                             r"False, got 'yes'"),
-                            ({"adam_second_moment": "full"},
-                             r"adam_second_moment must be one of \('factored', "
-                             r"'exact'\), got 'full'"),
-                            ({"adam_select": "scaled"},
-                             r"adam_select must be one of \('normalized', "
-                             r"'raw'\), got 'scaled'"),
-                            ({"adam_first_moment": "local"},
-                             r"adam_first_moment must be one of "
-                             r"\('aggregate', 'replica'\), got 'local'")):
-      for cls in (compression.DCTDP, compression.TopK, compression.DEFT):
-        with self.assertRaisesRegex(ValueError, f"{cls.__name__}: {pattern}"):
-          cls(**kwargs)
+    cases = (({"adam": "yes"}, r"adam must be None, True or False, got 'yes'"),
+             ({"adam_second_moment": "full"},
+              r"adam_second_moment must be one of \('factored', 'exact'\), got 'full'"),
+             ({"adam_select": "scaled"},
+              r"adam_select must be one of \('normalized', 'raw'\), got 'scaled'"),
+             ({"adam_first_moment": "local"},
+              r"adam_first_moment must be one of \('aggregate', 'replica'\), got 'local'"))
+    self._check_settings_rejected(
+        cases, (compression.DCTDP, compression.TopK, compression.DEFT))
     with self.assertRaisesRegex(ValueError, r"DCTDP: adam=True .* needs an "
                                 r"Adam or AdamW optimizer without amsgrad"):
       self._setup(DCTDP(adam=True), tf_keras.optimizers.SGD(0.1))

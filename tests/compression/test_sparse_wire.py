@@ -154,6 +154,36 @@ class CompactTest(tf.test.TestCase, parameterized.TestCase):
 
 class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
 
+  @parameterized.named_parameters(
+      ("exact_string", {"exact": "yes"}, r"exact must be None, True or False, got 'yes'"),
+      ("exact_int", {"exact": 1}, r"exact must be None, True or False, got 1"),
+      ("payload_none", {"payload": None}, r"payload must be True or False, got None"),
+      ("payload_int", {"payload": 0}, r"payload must be True or False, got 0"),
+      ("nnz", {"nnz": "no"}, r"nnz must be True or False, got 'no'"),
+      ("presorted", {"presorted": 1}, r"presorted must be True or False, got 1"),
+      ("use_native", {"use_native": None},
+       r"use_native must be True or False, got None"),
+      ("encoding", {"encoding": "chunk4"}, r"encoding must be 'auto' or one of "
+       r"\('int32', 'chunk16', 'chunk8'\), got 'chunk4'"))
+  def test_bad_arguments_are_rejected_before_any_op(self, kwargs, pattern):
+    graph = tf.Graph()
+    with graph.as_default():
+      buffers = [(tf.constant([0, 4], tf.int32), tf.constant([1.0, 0.0]), 4)]
+      before = len(graph.get_operations())
+      with self.assertRaisesRegex(ValueError, f"^exchange_many: {pattern}$"):
+        sparse_wire.exchange_many(None, buffers, **kwargs)
+      self.assertLen(graph.get_operations(), before)
+
+  def test_exact_sizes_are_rejected_under_xla(self):
+    @tf.function(jit_compile=True)
+    def step(exact):
+      return sparse_wire.exchange_many(None, [], exact=exact)
+
+    with self.assertRaisesRegex(ValueError, r"exchange_many: exact must be None or "
+                                r"False under XLA, got True \(exact sizes vary"):
+      step(True)
+    self.assertEqual(step(None), [])  # None: the fixed capacity under XLA
+
   def test_sums_every_replica_on_four_replicas(self):
     n, capacity = 12, 5
     replicas = util.NUM_CPUS

@@ -612,6 +612,56 @@ class ProgressTest(tf.test.TestCase):
     self.assertEqual(train.dropped_lines(lines, train.IMPORT_NOISE), lines[2:])
 
 
+class EarlyFlagTest(parameterized.TestCase):
+  """`early_flag` reads a flag before absl parses argv, as absl will."""
+
+  @parameterized.named_parameters(
+      ("absent", [], "auto"),
+      ("equals", ["--keras=3"], "3"),
+      ("next_argument", ["--model=mlp", "--keras", "2"], "2"),
+      ("single_dash", ["-keras=3"], "3"),
+      ("last_wins", ["--keras=2", "--keras", "3"], "3"),
+      ("other_flag_alike", ["--keras_x=3", "--kerasy", "3"], "auto"),
+      ("after_double_dash", ["--keras=2", "--", "--keras=3"], "2"),
+      ("no_value_left", ["--keras"], "auto"),
+      ("empty_value", ["--keras="], ""))
+  def test_string_flag(self, argv, want):
+    self.assertEqual(train.early_flag(argv, "keras", "auto"), want)
+
+  @parameterized.named_parameters(
+      ("absent_default_false", [], False, False),
+      ("absent_default_true", [], True, True),
+      ("bare", ["--verbose"], False, True),
+      ("negated", ["--noverbose"], True, False),
+      ("negated_single_dash", ["-noverbose"], True, False),
+      ("equals_true", ["--verbose=True"], False, True),
+      ("equals_t", ["--verbose=t"], False, True),
+      ("equals_1", ["--verbose=1"], False, True),
+      ("equals_false", ["--verbose=FALSE"], True, False),
+      ("equals_0", ["--verbose=0"], True, False),
+      # absl rejects the value when it parses: the earlier one stands here.
+      ("bad_value", ["--verbose", "--verbose=maybe"], False, True),
+      # a boolean takes no next argument: "false" is a positional argument
+      ("next_argument_not_taken", ["--verbose", "false"], False, True),
+      ("last_wins", ["--verbose", "--noverbose"], False, False),
+      ("after_double_dash", ["--", "--verbose"], False, False),
+      ("negated_with_value_ignored", ["--noverbose=1"], True, True))
+  def test_boolean_flag(self, argv, default, want):
+    self.assertIs(train.early_flag(argv, "verbose", default), want)
+
+  def test_agrees_with_absl(self):
+    # The same argv through absl's own parser gives the same values.
+    values = flags.FlagValues()
+    flags.DEFINE_string("kind", "cpu", "", flag_values=values)
+    flags.DEFINE_boolean("fast", False, "", flag_values=values)
+    for argv in (["--kind", "tpu", "--fast"], ["-kind=gpu", "--nofast"],
+                 ["--fast=true", "--kind=a", "--kind=b"], ["--fast", "--", "--nofast"]):
+      values.unparse_flags()
+      values(["prog"] + argv)
+      self.assertEqual(train.early_flag(argv, "kind", "cpu"), values.kind, argv)
+      self.assertIs(train.early_flag(argv, "fast", False), values.fast, argv)
+
+
 class KerasFlavourTest(tf.test.TestCase):
 
   def test_keras_flag_sets_the_flavour_before_tensorflow(self):

@@ -922,16 +922,19 @@ class Compressor(tf.Module):
       with tf.control_dependencies(done):
         st["velocity"].local().assign(u)
 
-  def _adam_before(self, ctx, grads, variables, states):
-    """Adam correction before `reduce`: one all-reduce of the side channel
-    of every dense corrected gradient, v and t updated, and (normalized
-    selection) the gradient scaled by Adam's step scale. Returns the
-    gradients to compress and {position: (v, t)} for `_adam_after`."""
-    mode = self.adam_second_moment
-    picked = [i for i, st in enumerate(states) if "adam_m" in st
+  def _side_channel(self, ctx, grads, variables, states, key: str, mode: str):
+    """The replicas' second-moment estimate of every dense gradient whose
+    state holds `key`, from one all-reduce of all their side channels.
+
+    Returns (picked, pieces): the positions of those gradients and, per
+    position, `adam_correction.second_moment` of the summed side channel in
+    the variable's dtype. `IndexedSlices` (embedding rows) send no side
+    channel and are not picked.
+    """
+    picked = [i for i, st in enumerate(states) if key in st
               and not isinstance(grads[i], tf.IndexedSlices)]
     if not picked:
-      return list(grads), {}
+      return [], []
     parts = [adam_correction.side_channel(grads[i], variables[i], mode)
              for i in picked]
     sizes = [adam_correction.side_channel_size(variables[i], mode)
@@ -939,12 +942,24 @@ class Compressor(tf.Module):
     dtype = parts[0].dtype
     summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(
         [tf.cast(p, dtype) for p in parts], 0))
+    return picked, [
+        adam_correction.second_moment(tf.cast(piece, variables[i].dtype),
+                                      variables[i], mode, ctx.num_replicas_in_sync)
+        for i, piece in zip(picked, tf.split(summed, sizes))]
+
+  def _adam_before(self, ctx, grads, variables, states):
+    """Adam correction before `reduce`: one all-reduce of the side channel
+    of every dense corrected gradient, v and t updated, and (normalized
+    selection) the gradient scaled by Adam's step scale. Returns the
+    gradients to compress and {position: (v, t)} for `_adam_after`."""
+    picked, seconds = self._side_channel(ctx, grads, variables, states,
+                                         "adam_m", self.adam_second_moment)
+    if not picked:
+      return list(grads), {}
     beta_1, beta_2, epsilon = self._adam_hparams
     out, pending = list(grads), {}
-    for i, piece in zip(picked, tf.split(summed, sizes)):
+    for i, second in zip(picked, seconds):
       var, st = variables[i], states[i]
-      second = adam_correction.second_moment(
-          tf.cast(piece, var.dtype), var, mode, ctx.num_replicas_in_sync)
       v, t = adam_correction.second_moment_step(
           st["adam_v"].local().read_value(), st["adam_t"].local().read_value(),
           second, beta_2)
@@ -1002,24 +1017,14 @@ class Compressor(tf.Module):
     channel of every dense corrected gradient, the accumulator updated and
     the gradient scaled by Adagrad's step. Returns the gradients to compress
     and {position: new accumulator} for `_adagrad_after`."""
-    mode = self.adagrad_accumulator
-    picked = [i for i, st in enumerate(states) if "adagrad_acc" in st
-              and not isinstance(grads[i], tf.IndexedSlices)]
+    picked, seconds = self._side_channel(ctx, grads, variables, states,
+                                         "adagrad_acc", self.adagrad_accumulator)
     if not picked:
       return list(grads), {}
-    parts = [adam_correction.side_channel(grads[i], variables[i], mode)
-             for i in picked]
-    sizes = [adam_correction.side_channel_size(variables[i], mode)
-             for i in picked]
-    dtype = parts[0].dtype
-    summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(
-        [tf.cast(p, dtype) for p in parts], 0))
     epsilon = self._adagrad_hparams[1]
     out, pending = list(grads), {}
-    for i, piece in zip(picked, tf.split(summed, sizes)):
+    for i, second in zip(picked, seconds):
       var, st = variables[i], states[i]
-      second = adam_correction.second_moment(
-          tf.cast(piece, var.dtype), var, mode, ctx.num_replicas_in_sync)
       acc = adagrad_correction.accumulate(
           st["adagrad_acc"].local().read_value(), second)
       out[i] = adagrad_correction.step(

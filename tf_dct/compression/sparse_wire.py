@@ -570,8 +570,8 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     payload: also return the bytes this replica put on the wire per vector.
     exact: send each replica's used slots only (`_gather_exact`) instead of
       every buffer's full capacity. None (default): exact outside XLA, the
-      fixed capacity under XLA (and so on TPU), where shapes must be static.
-      The sums are the same bits either way.
+      fixed capacity under XLA (and so on TPU), where shapes must be static
+      (True there is an error). The sums are the same bits either way.
 
   Returns:
     Per vector, the dense length-n sum over replicas (same on every replica);
@@ -587,6 +587,9 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     replica's vectors into one int32 payload per value dtype
     (`tf_dct.compression.native.encode`), and after the all-gather one decodes,
     sums and counts (`tf_dct.compression.native.gather_sum`).
+
+  Raises:
+    ValueError: an argument outside its allowed values, before any op is built.
   """
   if batch_capacity is None:
     batch_capacity = BATCH_CAPACITY
@@ -594,9 +597,22 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
       or batch_capacity < 0):
     raise ValueError(f"exchange_many: batch_capacity must be an int >= 0 (or None), "
                      f"got {batch_capacity!r}")
+  if encoding != "auto" and encoding not in ENCODINGS:
+    raise ValueError(f"exchange_many: encoding must be 'auto' or one of {ENCODINGS}, "
+                     f"got {encoding!r}")
+  for name, flag in (("presorted", presorted), ("nnz", nnz),
+                     ("use_native", use_native), ("payload", payload)):
+    if not isinstance(flag, bool):
+      raise ValueError(f"exchange_many: {name} must be True or False, got {flag!r}")
+  if exact is not None and not isinstance(exact, bool):
+    raise ValueError(f"exchange_many: exact must be None, True or False, got {exact!r}")
+  in_xla = _private.in_xla_context()
+  if exact and in_xla:
+    raise ValueError("exchange_many: exact must be None or False under XLA, got True "
+                     "(exact sizes vary per step; XLA needs static shapes)")
   buffers = list(buffers)
   if exact is None:
-    exact = not _private.in_xla_context()
+    exact = not in_xla
 
   def result(sums, counts, sent):
     return ((sums,) + ((counts,) if nnz else ()) + ((sent,) if payload else ())

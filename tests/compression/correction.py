@@ -1,0 +1,155 @@
+"""Shared by the optimizer-correction tests (Adam, Adagrad).
+
+The numpy reference of the side channel's second-moment estimate, the check
+that the side channel is counted, and `KerasRun`: a small model trained
+through `wrap_optimizer` on 2 replicas with the step-for-step, checkpoint and
+bad-setting checks both corrections run.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+import keras
+import tf_keras
+
+import tf_dct
+from tests import util
+from tests.compression import harness
+
+
+def second_moment_reference(per_replica, shape, mode):
+  """V from the replicas' gradients of one variable, as the module states."""
+  grads = [np.asarray(g, np.float64).reshape(shape) for g in per_replica]
+  if mode == "exact":
+    return np.square(sum(grads))
+  p = len(grads)
+  squares = sum(np.square(g) for g in grads) * p     # P * sum_r g_r^2
+  if len(shape) < 2:
+    return squares
+  mat = squares.reshape(-1, shape[-1])
+  rows, cols = mat.sum(axis=1), mat.sum(axis=0)
+  return (np.outer(rows, cols) / rows.sum()).reshape(shape)
+
+
+def check_side_channel_counted(test, make):
+  """The factored side channel all-reduces rows + columns floats of a matrix
+  and every entry of a vector: (6 + 5) * 4 and 17 * 4 bytes per replica and
+  step on top of what `make(False)` sends; `make(True)` is the same
+  compressor with the correction on."""
+  grads = harness.continuous_gradients(2, 2, seed=3)
+  payload = {}
+  for on in (False, True):
+    comp = make(on)
+    harness.run(comp, grads, 2)
+    stats = comp.communication_stats()["variables"]
+    payload[on] = [stats[name]["total"]["payload_bytes"] for name in ("w0", "w1")]
+  for v, side in enumerate((11 * 4, 17 * 4)):
+    test.assertAllEqual(np.asarray(payload[True][v]) - payload[False][v],
+                        [2 * side, 2 * side])  # 2 steps, per replica
+
+
+def check_kernels_corrected_as_dense(test, corrects, model, k, ours, dense):
+  """`corrects(variable)` holds for both kernels of `small_model`'s `model`
+  and for no bias; the weights per step `ours` equal `dense`'s, and moved."""
+  backing = [getattr(v, "value", v) if k is keras else v
+             for v in model.trainable_variables]
+  kernels = [v for v in backing if "kernel" in v.name]
+  biases = [v for v in backing if "bias" in v.name]
+  test.assertLen(kernels, 2)
+  test.assertTrue(all(corrects(v) for v in kernels))
+  test.assertFalse(any(corrects(v) for v in biases))
+  for a, b in zip(ours, dense):
+    for wa, wb in zip(a, b):
+      test.assertAllClose(wa, wb, atol=1e-6, rtol=1e-5)
+  # Without the correction a sparse aggregate would differ from dense:
+  # the run did not degenerate (weights moved).
+  test.assertGreater(np.abs(ours[-1][0] - ours[0][0]).max(), 1e-3)
+
+
+def small_model(compressor, optimizer, replicas=2, k=tf_keras):
+  """(replicator, model, wrapped optimizer): a 4-6-1 MLP of Keras flavour `k`
+  (seed 0) on `replicas` logical CPUs, `optimizer` (or a callable making
+  it) wrapped with `compressor` and built."""
+  repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
+  with repl.scope():
+    k.utils.set_random_seed(0)
+    model = k.Sequential([k.Input((4,)), k.layers.Dense(6, activation="tanh"),
+                          k.layers.Dense(1)])
+    if callable(optimizer):  # Keras 3 optimizers must be made in the scope
+      optimizer = optimizer()
+    opt = repl.wrap_optimizer(optimizer, compression=compressor)
+  opt.build(model.trainable_variables)
+  return repl, model, opt
+
+
+class KerasRun(tf.test.TestCase):
+  """A small model trained through `wrap_optimizer` on 2 replicas."""
+
+  def _setup(self, compressor, optimizer, replicas=2, k=tf_keras):
+    repl, model, opt = small_model(compressor, optimizer, replicas, k)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()  # the same batch
+
+    @tf.function
+    def train_step(iterator):
+      return repl.run(util.squared_error_step(model, opt, 16),
+                      args=(next(iterator),))
+
+    iterator = iter(repl.experimental_distribute_dataset(data))
+
+    def train(steps):
+      weights = []
+      for _ in range(steps):
+        train_step(iterator)
+        weights.append([w.numpy() for w in model.trainable_variables])
+      return weights
+    return model, opt, train
+
+  def _train(self, compressor, optimizer, steps=5, k=tf_keras):
+    model, opt, train = self._setup(compressor, optimizer, k=k)
+    return model, opt, train(steps)
+
+  def _check_equals_dense(self, comp, make_optimizer, k):
+    """`comp` (density 1, the bias excluded) corrects both kernels and no
+    bias, and trains step for step as the plain `make_optimizer()` does."""
+    model, _, ours = self._train(comp, make_optimizer, k=k)
+    _, _, dense = self._train(None, make_optimizer, k=k)
+    check_kernels_corrected_as_dense(self, comp.corrects_optimizer, model, k,
+                                     ours, dense)
+
+  def _check_restore_keeps_trajectory(self, comp, optimizer, keys, grown):
+    """Three steps, a checkpoint, three more; the state `keys` clobbered, the
+    checkpoint restored: the three steps again are the same to the bit.
+    `grown` = (key, floor): the first kernel's state[key] exceeds floor
+    somewhere at the checkpoint (the state did move)."""
+    model, opt, train = self._setup(comp, optimizer)
+    train(3)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+    path = ckpt.save(os.path.join(tempfile.mkdtemp(), "ckpt"))
+    var = model.trainable_variables[0]
+    key, floor = grown
+    self.assertGreater(np.abs(comp.state_values(var)[key][0]).max(), floor)
+    first = train(3)
+    for st in comp.state.values():
+      for name in keys:
+        for v in st[name].variables_per_replica:
+          v.assign(tf.zeros_like(v) + 7.0)
+    ckpt.restore(path)
+    again = train(3)
+    for a, b in zip(first, again):
+      for wa, wb in zip(a, b):
+        self.assertAllEqual(wa, wb)
+
+  def _check_settings_rejected(self, cases, classes):
+    """Each (kwargs, pattern) of `cases` raises "<Class>: <pattern>" from
+    every compressor class."""
+    for kwargs, pattern in cases:
+      for cls in classes:
+        with self.assertRaisesRegex(ValueError, f"{cls.__name__}: {pattern}"):
+          cls(**kwargs)
