@@ -20,7 +20,10 @@ Prints:
     then the same against the densified baseline (dense_bytes,
     dense_payload_bytes). This model has no embedding, so stock TF
     all-reduces every gradient and the two baselines agree. Values,
-    indices, counts, norms and padding are all counted.
+    indices, counts, norms and padding are all counted. Then, for the
+    compressors on `sparse_wire`, the index bits per sent entry of the last
+    step under "auto" (as run), the best of int32 / chunk16 / chunk8, "ef",
+    and the floor log2(N/k) + 1.44.
 (b) achieved density nnz(aggregate) / N per compressor: real replicas at
     n = 2 and 4 (the same training runs), and a numpy simulation at n = 2, 4,
     8, 16 of each algorithm with error feedback on real per-replica gradients
@@ -123,7 +126,10 @@ import tf_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct import compression  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct.compression import dct_dp  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct.compression import deft  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct.compression import sparse_wire  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct.compression import topk  # pylint: disable=g-import-not-at-top,wrong-import-position
 from bench.studies import deft_fig9_selection as fig9  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tests.compression import reference_deft  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -396,6 +402,68 @@ def step_times(runs, names, repeats, block, trained):
     print(f"| {name} | {m * 1e3:.2f} | {m / base:.3f} |")
 
 
+def wire_capacity(compressor, n):
+  """Wire slots of an n-entry variable exchanged by `compressor`."""
+  if isinstance(compressor, compression.DCTDP):
+    return dct_dp.capacity(n, compressor.sparsity, compressor.capacity_factor,
+                           compressor.min_count)
+  if isinstance(compressor, compression.TopK):
+    return topk.slots(n, topk.selected_count(n, compressor.density,
+                                             compressor.min_count),
+                      compressor.capacity_factor)
+  if isinstance(compressor, compression.HardThreshold):
+    return compressor.capacity(n)
+  return None
+
+
+def index_bits(run):
+  """Index bits per sent entry on the last step, over every exchanged
+  variable and replica (exact sizes: the index words that carry more than
+  padding): "auto" as run, the best of int32 / chunk16 / chunk8 (auto
+  without "ef"), "ef", and the floor sum c (log2(N / c) + 1.44) / sum c."""
+  comp = run.compressor
+  stats = comp.communication_stats()["variables"]
+  bits = {"auto": 0, "legacy": 0, "ef": 0}
+  floor, entries = 0.0, 0
+  for v in run.model.trainable_variables:
+    n = v.shape.num_elements()
+    cap = wire_capacity(comp, n)
+    name = next((k for k in stats if k == v.name or k == v.name.split(":")[0]),
+                None)
+    if cap is None or name is None or comp.sends_whole(v):
+      continue
+    encs = {"auto": sparse_wire.make_encoding("auto", n, cap),
+            "legacy": min((sparse_wire.make_encoding(e, n, cap)
+                           for e in ("int32", "chunk16", "chunk8")),
+                          key=lambda e: e.words),
+            "ef": sparse_wire.make_encoding("ef", n, cap)}
+    for c in stats[name]["last"]["sent"]:
+      c = int(c)
+      for key, enc in encs.items():
+        bits[key] += 32 * sparse_wire.sent_index_words(enc, c)
+      if c:
+        floor += c * (math.log2(n / c) + 1.44)
+      entries += c
+  per = lambda x: x / entries if entries else float("nan")
+  return {**{k: per(b) for k, b in bits.items()}, "floor": per(floor),
+          "entries": entries}
+
+
+def index_bits_report(runs):
+  """Index bits per entry of the compressors that use `sparse_wire`."""
+  print("\nindex bits per sent entry, last step, n = 4 (exact sizes; floor "
+        "log2(N/k) + 1.44 per variable, weighted by entries)")
+  print("| compressor | entries / replica | auto (as run) | int32/chunk16/chunk8 "
+        "(auto without ef) | ef | floor |")
+  print("|---|---|---|---|---|---|")
+  for name, run in runs.items():
+    if wire_capacity(run.compressor, 1000) is None:
+      continue
+    b = index_bits(run)
+    print(f"| {name} | {b['entries'] / run.n:.0f} | {b['auto']:.2f} | "
+          f"{b['legacy']:.2f} | {b['ef']:.2f} | {b['floor']:.2f} |")
+
+
 def selection_report(g0, sizes, sel_rep):
   """(c): prints DEFT's per-replica selection time vs whole-model top-k."""
   sel = selection_times({"g": g0, "sizes": sizes}, 4, sel_rep)
@@ -508,6 +576,8 @@ def main(argv):
     print(f"| {name} | {s['stock_ring']:.2f}x | {s['stock_payload']:.2f}x | "
           f"{s['ring']:.2f}x | {s['payload']:.2f}x | "
           f"{s['density']:.4f} | {s['overflow']:.1f} |")
+
+  index_bits_report(runs)
 
   print(f"\n[{time.time() - start:.0f}s] (b) simulation ...")
   sim = {n: sim_density(stream, n, sim_steps, lam, sizes) for n in (2, 4, 8, 16)}

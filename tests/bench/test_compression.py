@@ -55,3 +55,36 @@ def test_every_listed_compressor_is_built_as_named():
   assert built["DCTDP(L=1000,cf=1)"] == ["DCTDP", 0, 1000, 1.0]
   assert built["DCTDP(L=1)"][2] == 1
   assert built["DEFT"][0] == "DEFT" and built["Dense"][0] == "Dense"
+
+
+def test_wire_capacity_prices_what_each_compressor_sends():
+  # The index-bits table needs each compressor's wire slots: they give the
+  # gather bytes the compressor itself reports, for a few variable sizes;
+  # compressors that do not use sparse_wire have none.
+  script = (
+      "import json\n"
+      "import tensorflow as tf\n"
+      "from bench import compression as b\n"
+      "from tf_dct.compression import sparse_wire\n"
+      "out = {}\n"
+      "for name in b.NAMES:\n"
+      "  c = b.make_compressor(name, 1e-3)\n"
+      "  rows = []\n"
+      "  for n in (2000, 131072):\n"
+      "    cap = b.wire_capacity(c, n)\n"
+      "    rows.append(None if cap is None else [\n"
+      "        sparse_wire.wire_bytes(n, cap, tf.float32),\n"
+      "        c.compressed_bytes(tf.Variable(tf.zeros([n])))[0]])\n"
+      "  out[name] = rows\n"
+      "print(json.dumps(out))\n")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  priced = json.loads(proc.stdout.strip().splitlines()[-1])
+  on_wire = {"DCTDP(L=1000)", "DCTDP(L=1000,cf=1)", "DCTDP(L=1000,min=1024)",
+             "DCTDP(L=1)", "TopK", "HardThreshold"}
+  for name, rows in priced.items():
+    if name in on_wire:
+      assert all(ours == theirs for ours, theirs in rows), (name, rows)
+    else:
+      assert rows == [None, None], name

@@ -94,20 +94,20 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllEqual(got, want)
 
   def test_dct_dp_exact_on_two_replicas_with_summaries(self):
-    # w0: 40 entries, sparsity 0.9 -> K = 4 = capacity (factor 1); chunk8
-    # layout (1 chunk): 1 count word + 4 one-byte offsets in 1 word.
+    # w0: 40 entries, sparsity 0.9 -> K = 4 = capacity (factor 1); "ef"
+    # layout: 4 x 3 low bits and a bitmap of (39 >> 3) + 4 bits, 1 word.
     # w1: 3 entries < min_size -> dense all-reduce of 12 bytes.
     replicas, shapes = 2, [(40,), (3,)]
     rng = np.random.default_rng(0)
     grads = [[[rng.normal(size=s).astype(np.float32) for s in shapes]
               for _ in range(replicas)] for _ in range(2)]
-    self.assertEqual(sparse_wire.choose_encoding(40, 4).name, "chunk8")
-    # Count word + offset word + 4 float32 values, all slots used on both
-    # replicas at both steps; with exact sizes also the header (the row
-    # length and w0's count) and the int32 length TensorFlow gathers first.
-    p = 4 + 4 + 4 * 4 + 2 * 4 + 4
+    self.assertEqual(sparse_wire.choose_encoding(40, 4).name, "ef")
+    # Index word + 4 float32 values, all slots used on both replicas at both
+    # steps; with exact sizes also the header (the row length and w0's
+    # count) and the int32 length TensorFlow gathers first.
+    p = 4 + 4 * 4 + 2 * 4 + 4
     m = 3 * 4
-    sent = (replicas - 1) * p + 2 * (replicas - 1) / replicas * m   # 48
+    sent = (replicas - 1) * p + 2 * (replicas - 1) / replicas * m   # 44
     dense = 2 * (replicas - 1) / replicas * 4 * 43                  # 172
     logdir = self.create_tempdir().full_path
     compressor = DCTDP(sparsity=0.9, threshold_life=10, capacity_factor=1.0,

@@ -11,6 +11,7 @@ import tf_dct
 from tf_dct import compression
 from tf_dct.compression import sparse_wire
 from tests import util
+from tests.compression import test_sparse_wire
 
 
 def setUpModule():
@@ -247,7 +248,7 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
 
 # Dense gradients of a bias (8 entries) and a kernel (8 x 4 = 32) on 2
 # replicas, DCTDP(sparsity=0.99, min_count=8): the bias's 8 wire slots cost
-# 44 bytes against its 32-byte all-reduce, the kernel's 16 slots 84 bytes
+# 36 bytes against its 32-byte all-reduce, the kernel's 16 slots 72 bytes
 # against 128 (ring model: one peer, an all-reduce moves 2 (n - 1) / n x).
 DENSE = {"bias": ([8], np.float32), "kernel": ([8, 4], np.float32)}
 
@@ -256,9 +257,7 @@ def _used_words(n, capacity, used):
   """int32 words a replica sends for a float32 vector with `used` of its
   `capacity` slots in use ("auto" layout, exact sizes)."""
   enc = sparse_wire.make_encoding("auto", n, capacity)
-  if enc.name == "int32":
-    return 2 * used
-  return (enc.count_words if used else 0) + -(-used * enc.offset_bytes // 4) + used
+  return test_sparse_wire.exact_index_words(enc, used) + used
 
 
 def _exact_first_payload(own, row, longest, vectors):
@@ -326,7 +325,7 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     stats = compressor.communication_stats()["variables"]
     self.assertEqual(stats["bias"]["last"]["bytes_sent"], [32] * REPLICAS)
     # The kernel, the only exchanged vector, sends its used slots (capacity
-    # 16, 84 bytes at fixed size) plus the step's overhead (12 bytes).
+    # 16, 72 bytes at fixed size) plus the step's overhead (12 bytes).
     rows = [_used_words(32, 16, c) for c in stats["kernel"]["last"]["sent"]]
     self.assertEqual(stats["kernel"]["last"]["bytes_sent"],
                      [_exact_first_payload(w, w, max(rows), 1) for w in rows])
@@ -372,10 +371,10 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     _, _, variables = _dense_run(compressor, steps=1)
     self.assertFalse(compressor.sends_whole(variables["bias"]))
     stats = compressor.communication_stats()["variables"]
-    # All 8 bias entries (44 bytes, its capacity) and the kernel's used
+    # All 8 bias entries (36 bytes, its capacity) and the kernel's used
     # slots; the bias, the first vector, carries the step's overhead.
     bias = [_used_words(8, 8, c) for c in stats["bias"]["last"]["sent"]]
-    self.assertEqual(bias, [11] * REPLICAS)
+    self.assertEqual(bias, [1 + 8] * REPLICAS)  # "ef": one index word
     rows = [b + _used_words(32, 16, c)
             for b, c in zip(bias, stats["kernel"]["last"]["sent"])]
     self.assertEqual(stats["bias"]["last"]["bytes_sent"],
@@ -386,7 +385,7 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     # Adam correction's side channel (the kernel's 8 + 4 row and column
     # sums, the bias's 8 entries) goes with a whole variable as with a
     # compressed one, so the choice is the same as without it: the bias is
-    # sent whole (32 + 32 bytes), the kernel compressed (84 + 48).
+    # sent whole (32 + 32 bytes), the kernel compressed (72 + 48).
     compressor = compression.DCTDP(sparsity=0.99, min_count=8)
     compressor.set_adam(0.9, 0.999, 1e-7)
     _, _, variables = _dense_run(compressor, steps=1)
@@ -396,7 +395,7 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
       self.assertTrue(compressor.corrects_optimizer(v), v.name)
     stats = compressor.communication_stats()["variables"]
     self.assertEqual(stats["bias"]["last"]["bytes_sent"], [64] * REPLICAS)
-    # The kernel's used slots and the step's overhead (84 bytes at its fixed
+    # The kernel's used slots and the step's overhead (72 bytes at its fixed
     # capacity), and its 48 bytes of side channel.
     rows = [_used_words(32, 16, c) for c in stats["kernel"]["last"]["sent"]]
     self.assertEqual(stats["kernel"]["last"]["bytes_sent"],
@@ -404,18 +403,20 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
                       for w in rows])
 
   def test_break_even_grows_with_replicas(self):
-    # The kernel's exchange: (n - 1) x 84 gathered against 2 (n - 1) / n x
-    # 128 all-reduced: compressed on 2 replicas (84 < 128), dense on 4
-    # (252 > 192).
+    # The kernel's exchange: (n - 1) x 72 gathered against 2 (n - 1) / n x
+    # 128 all-reduced: compressed on 2 replicas (72 < 128), dense on 4
+    # (216 > 192).
     compressor = compression.DCTDP(sparsity=0.99, min_count=8)
     kernel = tf.Variable(tf.zeros([8, 4]))
     self.assertFalse(compressor.dense_is_cheaper(kernel, 2))
     self.assertTrue(compressor.dense_is_cheaper(kernel, 4))
 
   def test_variables_of_several_dtypes(self):
-    # Variables all-reduced whole are batched per dtype.
+    # Variables all-reduced whole are batched per dtype. With at most 16
+    # entries the capacity (2 x min_count) is every entry, so the exchange,
+    # values plus index words, costs more than the dense all-reduce.
     compressor = compression.DCTDP(sparsity=0.99, min_count=8)
-    specs = {"a64": ([17], np.float64), "b32": ([3], np.float32),
+    specs = {"a64": ([15], np.float64), "b32": ([3], np.float32),
              "c64": ([4], np.float64)}
     out, exact, made = _dense_run(compressor, steps=1, variables=specs)
     for i, v in enumerate(made.values()):

@@ -266,7 +266,10 @@ class WireTest(tf.test.TestCase, parameterized.TestCase):
       ("int32_float32", "int32", np.float32, 300, 40),
       ("chunk8_float32", "chunk8", np.float32, 1000, 60),
       ("chunk8_wide_counts", "chunk8", np.float32, 3000, 300),  # 2-byte counts
-      ("chunk16_float64", "chunk16", np.float64, 70000, 50))
+      ("chunk16_float64", "chunk16", np.float64, 70000, 50),
+      ("ef_float32", "ef", np.float32, 1000, 60),          # 4 low bits
+      ("ef_float64_spills", "ef", np.float64, 70000, 50),  # 10: words cross
+      ("ef_no_low_bits", "ef", np.float32, 50, 40))        # b = 0
   def test_matches_stock_encode_decode_scatter_and_count(self, name, dtype, n,
                                                          cap):
     enc = sparse_wire.make_encoding(name, n, cap)
@@ -368,6 +371,21 @@ class WireTest(tf.test.TestCase, parameterized.TestCase):
           "bytes per count and per offset"):
         native.encode([tf.constant([0, 1, 2, 3])], [tf.zeros([4])],
                       [dataclasses.replace(enc, **bad)])
+    ef = sparse_wire.make_encoding("ef", 300, 4)
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                'non-decreasing with the padding last for the '
+                                '"ef" layout'):
+      native.encode([tf.constant([9, 4, 300, 300])], [tf.zeros([4])], [ef])
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                r"must be in \[0, 300\], got 301"):
+      native.encode([tf.constant([9, 301, 300, 300])], [tf.zeros([4])], [ef])
+    for bad in (dict(low_bits=31), dict(low_bits=-2),
+                dict(chunk=256, count_bytes=1, offset_bytes=1)):
+      with self.assertRaisesRegex(
+          tf.errors.InvalidArgumentError,
+          r"low_bits must be -1 \(not \"ef\"\) or in \[0, 30\] with chunk 0"):
+        native.encode([tf.constant([0, 1, 2, 3])], [tf.zeros([4])],
+                      [dataclasses.replace(ef, **bad)])
     good = encode([1, 2, 300, 300])
     with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
                                 "payload must be"):

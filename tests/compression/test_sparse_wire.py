@@ -152,6 +152,21 @@ class CompactTest(tf.test.TestCase, parameterized.TestCase):
       sparse_wire.compact(acc, mask, 2, ends=tf.zeros([4], tf.int64))
 
 
+def exact_index_words(enc, used):
+  """Index words sent with exact sizes when `used` slots hold a position."""
+  if enc.name == "int32":
+    return used
+  if enc.name != "ef":
+    return (enc.count_words if used else 0) + -(-used * enc.offset_bytes // 4)
+  # A word is sent when it carries a bit of the first `used` slots' lows
+  # (bits [0, used b)) or a bitmap bit they can set (bits [capacity b,
+  # capacity b + ((n - 1) >> b) + used)).
+  b, cap = enc.low_bits, enc.capacity
+  spans = [(0, used * b), (cap * b, cap * b + ((enc.n - 1) >> b) + used)]
+  return sum(any(lo < hi and lo < 32 * w + 32 and 32 * w < hi for lo, hi in spans)
+             for w in range(enc.words)) if used else 0
+
+
 class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -225,14 +240,15 @@ class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
     # Stock ops: float32 values travel with the int32 index words (one
     # stream), float64 values in a second stream. Native kernels: one int32
     # payload per value dtype. Either way one all-gather call of 2 tensors
-    # per replica for 4 vectors of different encodings, instead of 8 tensors.
+    # per replica for 5 vectors of different encodings, instead of 10 tensors.
     if use_native is None:
       test_native.require_native(self)
       use_native = True
     replicas = 2
     rng = np.random.default_rng(4)
     specs = [(300, 6, tf.float32, "chunk8"), (12, 5, tf.float32, "int32"),
-             (40, 3, tf.float64, "auto"), (70000, 4, tf.float32, "chunk16")]
+             (40, 3, tf.float64, "auto"), (70000, 4, tf.float32, "chunk16"),
+             (900, 8, tf.float32, "ef")]
     data = [[(np.sort(rng.choice(n, cap, replace=False)).astype(np.int32),
               rng.normal(size=cap).astype(dtype.as_numpy_dtype))
              for n, cap, dtype, _ in specs] for _ in range(replicas)]
@@ -286,7 +302,8 @@ class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
     rng = np.random.default_rng(8)
     specs = [(3000, 200, tf.float32, "chunk8"), (900, 150, tf.float32, "int32"),
              (70000, 300, tf.float64, "chunk16"), (5000, 140, tf.float32, "auto"),
-             (400, 20, tf.float32, "chunk8"), (60, 9, tf.float64, "int32")]
+             (400, 20, tf.float32, "chunk8"), (60, 9, tf.float64, "int32"),
+             (4000, 130, tf.float64, "ef"), (700, 12, tf.float32, "ef")]
     data = []
     for r in range(replicas):
       per = []
@@ -430,9 +447,7 @@ class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
         if t == 0:
           continue
         enc = sparse_wire.make_encoding("auto", n, cap)
-        words = (u if enc.name == "int32" else
-                 (enc.count_words if u else 0)
-                 + -(-u * enc.offset_bytes // 4))
+        words = exact_index_words(enc, u)
         self.assertEqual(float(exact[r][2][t]), 4 * words + u * dtype.size,
                          msg=f"replica {r} vector {t}")
     # Replica 1 fills every slot, so each tensor crosses at its full length:
@@ -455,6 +470,35 @@ class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
     step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
     self.assertTrue(step.replicated_step._jit_compile)  # pylint: disable=protected-access
     self.assertAllEqual(out, [0.5, -2.0, 0.0, 0.0])
+
+
+def _np_ef_encode(idx, n, capacity):
+  """The "ef" words of positions `idx` (padding n), from the definition: a
+  little-endian bit stream of each slot's low b bits at fixed width, then a
+  bitmap of ((n - 1) >> b) + capacity bits where the i-th position p sets
+  bit (p >> b) + i."""
+  b = max(0, int(np.floor(np.log2(n / capacity))))
+  stream = [0] * (capacity * b + ((n - 1) >> b) + capacity)
+  for i, p in enumerate(int(p) for p in idx if p < n):
+    for k in range(b):
+      stream[i * b + k] = (p >> k) & 1
+    stream[capacity * b + (p >> b) + i] = 1
+  stream += [0] * (-len(stream) % 32)
+  return np.array([sum(bit << k for k, bit in enumerate(stream[w:w + 32]))
+                   for w in range(0, len(stream), 32)], np.uint32).view(np.int32)
+
+
+def _np_ef_decode(words, n, capacity):
+  """Inverse of `_np_ef_encode`: int32[capacity] positions, padding n."""
+  b = max(0, int(np.floor(np.log2(n / capacity))))
+  bits = [(int(w) >> k) & 1 for w in np.asarray(words).view(np.uint32)
+          for k in range(32)]
+  bitmap = bits[capacity * b:capacity * b + ((n - 1) >> b) + capacity]
+  idx = np.full(capacity, n, np.int32)
+  for i, q in enumerate(np.flatnonzero(bitmap)):
+    low = sum(bits[i * b + k] << k for k in range(b))
+    idx[i] = ((q - i) << b) | low
+  return idx
 
 
 def _sorted_positions(n, capacity, count, seed):
@@ -497,6 +541,70 @@ class EncodingTest(tf.test.TestCase, parameterized.TestCase):
       for dec in (decode, tf.function(decode, jit_compile=True)):
         self.assertAllEqual(dec(batch), rows, msg=name)
 
+  @parameterized.named_parameters(
+      # (n, capacity, count): b = floor(log2(n / capacity)).
+      ("b6_partial", 1000, 10, 7),          # n not a multiple of 2^6
+      ("b0", 50, 40, 40),                   # capacity > n / 2: no low bits
+      ("b0_over_n", 5, 8, 5),               # more slots than entries
+      ("empty", 1000, 17, 0),
+      ("full", 64, 16, 16),                 # n a multiple of 2^b, all slots
+      ("one", 1, 1, 1),
+      ("spills", 70000, 300, 299),          # b = 7: lows cross word edges
+      ("wide", 2**20 + 3, 17, 17),          # b = 15
+  )
+  def test_ef_matches_numpy_reference(self, n, capacity, count):
+    enc = sparse_wire.make_encoding("ef", n, capacity)
+    self.assertEqual(enc.low_bits, max(0, int(np.floor(np.log2(n / capacity)))))
+    rows = []
+    for seed in range(3):
+      idx = _sorted_positions(n, capacity, count, seed=seed)
+      if count:
+        idx[count - 1] = n - 1 if seed == 0 else idx[count - 1]  # the largest
+      if count > 1 and seed == 1:
+        idx[0] = 0
+      rows.append(idx)
+    want = np.stack([_np_ef_encode(i, n, capacity) for i in rows])
+    for i, w in zip(rows, want):
+      self.assertAllEqual(_np_ef_decode(w, n, capacity), i)
+    self.assertEqual(want.shape[1], enc.words)
+    encode = lambda i: sparse_wire.encode_indices(i, enc)
+    decode = lambda w: sparse_wire.decode_indices(w, enc)
+    for enc_fn, dec_fn in ((encode, decode),
+                           (tf.function(encode, jit_compile=True),
+                            tf.function(decode, jit_compile=True))):
+      got = np.stack([enc_fn(tf.constant(i)).numpy() for i in rows])
+      self.assertAllEqual(got, want)
+      self.assertAllEqual(dec_fn(tf.constant(want)), np.stack(rows))
+      self.assertAllEqual(dec_fn(tf.constant(want[0])), rows[0])
+
+  def test_ef_words_by_hand(self):
+    # n = 100, capacity 4: b = floor(log2(25)) = 4; 16 low bits, then a
+    # bitmap of (99 >> 4) + 4 = 10 bits: 26 bits, one word. Positions 3, 17,
+    # 99 and a padding slot: lows 3, 1, 3, 0 at bits 0, 4, 8, 12; highs 0,
+    # 1, 6 set bitmap bits 0 + 0, 1 + 1, 6 + 2 = bits 16, 18, 24.
+    enc = sparse_wire.make_encoding("ef", 100, 4)
+    self.assertEqual((enc.low_bits, enc.high_bits, enc.bits, enc.words),
+                     (4, 10, 26, 1))
+    words = sparse_wire.encode_indices(tf.constant([3, 17, 99, 100]), enc)
+    want = 3 | 1 << 4 | 3 << 8 | 1 << 16 | 1 << 18 | 1 << 24
+    self.assertAllEqual(words, [want])
+    self.assertAllEqual(sparse_wire.decode_indices(words, enc), [3, 17, 99, 100])
+    # Repeated positions (several replicas' entries in one buffer) still
+    # set distinct bitmap bits.
+    words = sparse_wire.encode_indices(tf.constant([17, 17, 100, 100]), enc)
+    self.assertAllEqual(sparse_wire.decode_indices(words, enc),
+                        [17, 17, 100, 100])
+
+  def test_bad_sizes_are_rejected_before_anything_runs(self):
+    for name in ("auto", "ef", "int32"):
+      with self.assertRaisesRegex(ValueError, r"capacity must be >= 1, got 0"):
+        sparse_wire.make_encoding(name, 10, 0)
+      with self.assertRaisesRegex(ValueError,
+                                  r"n must be in \[1, 2147483646\], got 0"):
+        sparse_wire.make_encoding(name, 0, 3)
+    with self.assertRaisesRegex(ValueError, "capacity must be an int"):
+      sparse_wire.make_encoding("ef", 10, 2.0)
+
   def test_packing_is_byte_exact(self):
     # 5 one-byte offsets take 2 words (not 5); counts of one chunk, 1 word.
     enc = sparse_wire.make_encoding("chunk8", 200, 5)
@@ -509,20 +617,29 @@ class EncodingTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllEqual(raw[8:12], [0, 0, 0, 0])        # padding slot + fill
 
   def test_auto_choice(self):
-    # (n, capacity): int32 words vs chunk16 vs chunk8, counted by hand.
+    # (n, capacity): int32 words vs chunk16 vs chunk8 vs ef, counted by
+    # hand; ef is capacity b + ((n - 1) >> b) + capacity bits in words, b =
+    # floor(log2(n / capacity)). Ties keep the earlier layout.
     cases = {
-        (100, 1): "int32",               # 1 vs 1+1 vs 1+1
-        (40, 4): "chunk8",               # 4 vs 1+2 vs 1+1
-        (1_000_000, 20_000): "chunk8",   # 20000 vs 8+10000 vs 1954+5000
-        (1_000_000, 2_000): "chunk16",   # 2000 vs 8+1000 vs 1954+500
-        (2**20, 64): "chunk16",          # 64 vs 4+32 vs 1024+16
+        (100, 1): "int32",               # 1 vs 1+1 vs 1+1 vs (6+1+1)/32: 1
+        (40, 4): "ef",                   # 4 vs 1+2 vs 1+1 vs (12+4+4)/32: 1
+        (9, 9): "ef",                    # 9 vs 1+3 vs 1+3 vs (0+8+9)/32: 1
+        (1_000_000, 20_000): "ef",       # 20000 vs 8+10000 vs 1954+5000 vs
+                                         # (100000+31249+20000)/32: 4727
+        (1_000_000, 2_000): "ef",        # 2000 vs 8+1000 vs 1954+500 vs
+                                         # (16000+3906+2000)/32: 685
+        (2**20, 64): "ef",               # 64 vs 4+32 vs 1024+16 vs
+                                         # (896+63+64)/32: 32
     }
     for (n, cap), want in cases.items():
-      self.assertEqual(sparse_wire.choose_encoding(n, cap).name, want, msg=(n, cap))
+      self.assertEqual(sparse_wire.choose_encoding(n, cap).name, want,
+                       msg=f"n={n}, capacity={cap}")
     enc = sparse_wire.choose_encoding(1_000_000, 20_000)
-    self.assertEqual(enc.index_bytes, 4 * (1954 + 5000))
+    self.assertEqual(enc.index_bytes, 4 * 4727)
+    self.assertEqual(sparse_wire.make_encoding("chunk8", 1_000_000, 20_000).words,
+                     1954 + 5000)
     self.assertEqual(sparse_wire.wire_bytes(1_000_000, 20_000, tf.float32),
-                     4 * 6954 + 4 * 20_000)
+                     4 * 4727 + 4 * 20_000)
     self.assertEqual(sparse_wire.wire_bytes(1_000_000, 20_000, tf.float32,
                                             "int32"), 8 * 20_000)
     with self.assertRaisesRegex(ValueError, "index encoding must be"):
@@ -535,7 +652,7 @@ class EncodingTest(tf.test.TestCase, parameterized.TestCase):
     # under XLA, on several replicas' rows at once.
     specs = [("chunk8", 300, 6, 4), ("int32", 12, 5, 5), ("chunk16", 70000, 4, 0),
              ("chunk8", 2000, 300, 300), ("chunk16", 70000, 70000, 9),
-             ("auto", 40, 4, 3), ("int32", 9, 1, 0)]
+             ("chunk8", 40, 4, 3), ("int32", 9, 1, 0)]
     encs = [sparse_wire.make_encoding(name, n, cap) for name, n, cap, _ in specs]
     self.assertEqual([encs[i].count_bytes for i in (0, 3, 4)], [1, 2, 4])
     rows = [[_sorted_positions(n, cap, count if r == 0 else (r * 7) % (cap + 1),
@@ -550,6 +667,30 @@ class EncodingTest(tf.test.TestCase, parameterized.TestCase):
     for enc_fn, dec_fn in ((encode, decode),
                            (tf.function(encode, jit_compile=True),
                             tf.function(decode, jit_compile=True))):
+      words = np.stack([enc_fn(tf.constant(np.concatenate(row))).numpy()
+                        for row in rows])
+      self.assertAllEqual(words, want_words)
+      self.assertAllEqual(dec_fn(tf.constant(words)),
+                          [np.concatenate(row) for row in rows])
+    with self.assertRaisesRegex(ValueError, "_Layout takes no 'ef' encodings"):
+      sparse_wire._Layout([sparse_wire.make_encoding("ef", 40, 4)])  # pylint: disable=protected-access
+
+  def test_batched_ef_matches_one_vector_at_a_time(self):
+    # Low bits of 0, 3, 5 and 15 bits, full, partial and empty buffers.
+    specs = [(1000, 10, 7), (50, 40, 0), (300, 6, 6), (2**20 + 3, 17, 17),
+             (9, 1, 1)]
+    encs = [sparse_wire.make_encoding("ef", n, cap) for n, cap, _ in specs]
+    self.assertEqual([e.low_bits for e in encs], [6, 0, 5, 15, 3])
+    rows = [[_sorted_positions(n, cap, count if r == 0 else (r * 7) % (cap + 1),
+                               seed=10 * r + i)
+             for i, (n, cap, count) in enumerate(specs)] for r in range(3)]
+    coder = sparse_wire._EliasFano(encs)  # pylint: disable=protected-access
+    want_words = np.stack([np.concatenate(
+        [_np_ef_encode(i, e.n, e.capacity) for i, e in zip(row, encs)])
+                           for row in rows])
+    for enc_fn, dec_fn in ((coder.encode, coder.decode),
+                           (tf.function(coder.encode, jit_compile=True),
+                            tf.function(coder.decode, jit_compile=True))):
       words = np.stack([enc_fn(tf.constant(np.concatenate(row))).numpy()
                         for row in rows])
       self.assertAllEqual(words, want_words)
@@ -627,7 +768,9 @@ class EncodingTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(got, want[:n], atol=1e-6, rtol=0, msg=name)
     # 6 int32 positions vs 2 chunks of 1-byte counts (1 word) + 6 one-byte
     # offsets (2 words).
-    self.assertEqual(sizes, {"int32": 6, "chunk16": 1 + 3, "chunk8": 1 + 2})
+    # ef: b = 5, 30 low bits + (299 >> 5) + 6 = 15 bitmap bits, 2 words.
+    self.assertEqual(sizes, {"int32": 6, "chunk16": 1 + 3, "chunk8": 1 + 2,
+                             "ef": 2})
 
 
 if __name__ == "__main__":

@@ -271,7 +271,7 @@ class DCTDP(Compressor):
       leaves [low * K / N, high * K / N] (beyond the paper; it keeps a
       long `threshold_life` from starting on a stale tau). None turns the
       guard off: Algorithm 1 exactly.
-    index_encoding: "auto", "int32", "chunk16" or "chunk8" (see
+    index_encoding: "auto", "int32", "chunk16", "chunk8" or "ef" (see
       `sparse_wire`).
     exclude: regular expressions searched in variable names; matching
       variables are all-reduced as they are (`tf.IndexedSlices` stay sparse

@@ -229,10 +229,13 @@ def select(grads, residuals, taus: tf.Tensor, modes: tf.Tensor,
 
 def _layouts(encodings):
   """The per-vector attributes of the wire kernels, from `sparse_wire`
-  encodings (anything with n, chunk, count_bytes and offset_bytes)."""
+  encodings (anything with name, n, chunk, count_bytes, offset_bytes and
+  low_bits); low_bits is -1 for every layout but "ef"."""
   return dict(ns=[e.n for e in encodings], chunks=[e.chunk for e in encodings],
               count_bytes=[e.count_bytes for e in encodings],
-              offset_bytes=[e.offset_bytes for e in encodings])
+              offset_bytes=[e.offset_bytes for e in encodings],
+              low_bits=[e.low_bits if e.name == "ef" else -1
+                        for e in encodings])
 
 
 def encode(idxs, vals, encodings) -> tf.Tensor:

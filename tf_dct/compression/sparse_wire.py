@@ -10,10 +10,11 @@ its residual. The exchange all-gathers every replica's buffers and
 scatter-adds them into a dense vector of length `n + 1`, whose last slot
 takes the padding and is cut off.
 
-Positions travel as int32 words, either one per slot ("int32") or as offsets
+Positions travel as int32 words, either one per slot ("int32"), as offsets
 inside chunks of 65536 / 256 entries packed four bytes to a word, with
-per-chunk counts ahead ("chunk16" / "chunk8"); "auto" takes the fewest
-words. `exchange_many` sends a step's buffers in one all-gather and handles
+per-chunk counts ahead ("chunk16" / "chunk8"), or Elias-Fano coded ("ef":
+low bits at fixed width plus a bitmap of the high parts, about
+log2(n / capacity) + 2 bits per slot); "auto" takes the fewest words. `exchange_many` sends a step's buffers in one all-gather and handles
 the short ones (at most `BATCH_CAPACITY` slots) with one set of ops.
 docs/compression.md ("The sparse wire format") describes the layouts.
 """
@@ -33,7 +34,7 @@ from tf_dct.compression import native
 # Positions travel as int32, so a vector must have fewer entries than this.
 MAX_SIZE = 2**31 - 1
 
-ENCODINGS = ("int32", "chunk16", "chunk8")
+ENCODINGS = ("int32", "chunk16", "chunk8", "ef")
 _CHUNK = {"chunk16": (2**16, 2), "chunk8": (2**8, 1)}  # chunk length, offset bytes
 
 
@@ -45,9 +46,11 @@ class Encoding:
     name: one of `ENCODINGS`.
     n: length of the dense vector.
     capacity: slots per replica.
-    chunk: chunk length (0 for "int32").
-    offset_bytes: bytes per slot offset (4 for "int32").
-    count_bytes: bytes per chunk count (0 for "int32").
+    chunk: chunk length (0 for "int32" and "ef").
+    offset_bytes: bytes per slot offset (4 for "int32", 0 for "ef").
+    count_bytes: bytes per chunk count (0 for "int32" and "ef").
+    low_bits: for "ef", the low bits of each position sent at fixed width
+      (`ef_low_bits`); 0 otherwise.
   """
   name: str
   n: int
@@ -55,6 +58,20 @@ class Encoding:
   chunk: int
   offset_bytes: int
   count_bytes: int
+  low_bits: int = 0
+
+  @property
+  def high_bits(self) -> int:
+    """"ef": length of the upper-bits bitmap ((n - 1) >> low_bits) + capacity."""
+    return ((self.n - 1) >> self.low_bits) + self.capacity
+
+  @property
+  def bits(self) -> int:
+    """Bits of index data per replica before filling to whole words."""
+    if self.name == "ef":
+      return self.capacity * self.low_bits + self.high_bits
+    return 8 * (self.num_chunks * self.count_bytes
+                + self.capacity * self.offset_bytes)
 
   @property
   def num_chunks(self) -> int:
@@ -70,7 +87,10 @@ class Encoding:
 
   @property
   def words(self) -> int:
-    """int32 words of index data per replica (counts + offsets)."""
+    """int32 words of index data per replica (counts + offsets, or the
+    Elias-Fano bit stream)."""
+    if self.name == "ef":
+      return -(-self.bits // 32)
     return self.count_words + self.offset_words
 
   @property
@@ -82,12 +102,31 @@ def _narrowest(max_value: int) -> int:
   return 1 if max_value < 2**8 else 2 if max_value < 2**16 else 4
 
 
+def ef_low_bits(n: int, capacity: int) -> int:
+  """Low bits per position of the "ef" layout: max(0, floor(log2(n / capacity))).
+
+  With b low bits a position costs b bits plus about 1 + n / (capacity 2^b)
+  bits of the upper-bits bitmap; this b minimises that sum.
+  """
+  return max(0, (n // capacity).bit_length() - 1)
+
+
 def make_encoding(name: str, n: int, capacity: int) -> Encoding:
-  """The layout `name` ("int32", "chunk16", "chunk8" or "auto") for (n, capacity)."""
+  """The layout `name` ("int32", "chunk16", "chunk8", "ef" or "auto") for
+  (n, capacity)."""
+  for arg, value in (("n", n), ("capacity", capacity)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise ValueError(f"{arg} must be an int, got {value!r}")
+  if not 0 < n < MAX_SIZE:
+    raise ValueError(f"n must be in [1, {MAX_SIZE - 1}], got {n}")
+  if capacity < 1:
+    raise ValueError(f"capacity must be >= 1, got {capacity}")
   if name == "auto":
     return choose_encoding(n, capacity)
   if name == "int32":
     return Encoding("int32", n, capacity, 0, 4, 0)
+  if name == "ef":
+    return Encoding("ef", n, capacity, 0, 0, 0, ef_low_bits(n, capacity))
   if name not in _CHUNK:
     raise ValueError(f"index encoding must be 'auto' or one of {ENCODINGS}, "
                      f"got {name!r}")
@@ -108,11 +147,14 @@ def wire_bytes(n: int, capacity: int, dtype, encoding: str = "auto") -> int:
   Index words (counts, offsets, padding) plus `capacity` value slots.
 
   Example:
-    10 float32 slots for a vector of 1000 entries: "auto" picks "chunk8"
-    (4 one-byte chunk counts and 10 one-byte offsets: 4 words), "int32"
-    sends one word per slot.
+    10 float32 slots for a vector of 1000 entries: "auto" picks "ef" (6 low
+    bits per slot and a bitmap of (999 >> 6) + 10 = 25 bits: 85 bits, 3
+    words), "chunk8" needs 4 (4 one-byte chunk counts and 10 one-byte
+    offsets), "int32" one word per slot.
 
     >>> wire_bytes(1000, 10, tf.float32)
+    52
+    >>> wire_bytes(1000, 10, tf.float32, encoding="chunk8")
     56
     >>> wire_bytes(1000, 10, tf.float32, encoding="int32")
     80
@@ -137,6 +179,8 @@ class _Layout:
 
   def __init__(self, encodings: Sequence[Encoding]):
     encodings = list(encodings)
+    if any(e.name == "ef" for e in encodings):
+      raise ValueError("_Layout takes no 'ef' encodings (see _EliasFano)")
     caps = [e.capacity for e in encodings]
     chunks = [e.num_chunks for e in encodings]
     self.num_slots = sum(caps)
@@ -272,6 +316,121 @@ class _Layout:
     return tf.where(self.slot_is_chunked, idx, raw)
 
 
+class _EliasFano:
+  """Encoder and decoder of several "ef" vectors' index words at once.
+
+  One vector's words are a little-endian bit stream (bit k is bit k % 32 of
+  word k // 32) of `Encoding.bits` bits, filled to whole words: first the
+  low `b = low_bits` bits of each slot's position at fixed width (slot j at
+  bits [j b, (j + 1) b); 0 for a padding slot), then the upper-bits bitmap
+  of `high_bits` bits, where the i-th position p_i sets bit
+  (p_i >> b) + i. The positions must be increasing with the padding (n)
+  last; their count is the number of set bits. Decoding is parallel: the
+  i-th set bit, at q, gives p_i = ((q - i) << b) | low_i.
+
+  The vectors' words follow each other; every op works on all of them, so
+  the number of ops does not grow with the number of vectors. Contributions
+  to a word are disjoint bits, so an int32 segment sum is their bitwise or.
+  """
+
+  def __init__(self, encodings: Sequence[Encoding]):
+    encodings = list(encodings)
+    if any(e.name != "ef" for e in encodings):
+      raise ValueError("_EliasFano takes 'ef' encodings only")
+    caps = [e.capacity for e in encodings]
+    self.num_slots = sum(caps)
+    self.words = sum(e.words for e in encodings)
+    word_at = np.cumsum([0] + [e.words for e in encodings])[:-1]
+    slot_at = np.cumsum([0] + caps)[:-1]
+    rep = lambda xs: np.repeat(np.asarray(xs, np.int64), caps)
+    self.slot_n = rep([e.n for e in encodings]).astype(np.int32)
+    b = rep([e.low_bits for e in encodings])
+    self.slot_b = b.astype(np.int32)
+    self.slot_local = (np.arange(self.num_slots) - rep(slot_at)).astype(np.int32)
+    # Low bits of slot j: bits [j b, j b + b) of its vector's stream.
+    low_at = 32 * rep(word_at) + self.slot_local * b
+    self.low_word = (low_at >> 5).astype(np.int32)
+    self.low_shift = (low_at & 31).astype(np.uint32)
+    self.has_low = b > 0
+    self.spill = (low_at & 31) + b > 32  # the bits run on into the next word
+    self.spill_shift = np.where(self.spill, 32 - (low_at & 31), 0).astype(np.uint32)
+    self.low_mask = ((np.uint64(1) << b.astype(np.uint64)) - 1).astype(np.uint32)
+    # First bit of each slot's vector's bitmap (on the whole stream).
+    self.slot_high_at = (32 * rep(word_at) + rep([e.capacity * e.low_bits
+                                                   for e in encodings]))
+    # Per bitmap bit: its word and shift, its value q in its vector's
+    # bitmap, its vector's first slot and first bit among all bitmap bits.
+    highs = [e.high_bits for e in encodings]
+    self.num_bits = sum(highs)
+    bit_at = np.cumsum([0] + highs)[:-1]
+    rep_bits = lambda xs: np.repeat(np.asarray(xs, np.int64), highs)
+    q = np.arange(self.num_bits) - rep_bits(bit_at)
+    stream_bit = (32 * rep_bits(word_at)
+                  + rep_bits([e.capacity * e.low_bits for e in encodings]) + q)
+    self.bit_word = (stream_bit >> 5).astype(np.int32)
+    self.bit_shift = (stream_bit & 31).astype(np.uint32)
+    self.bit_q = q.astype(np.int32)
+    self.bit_slot_at = rep_bits(slot_at).astype(np.int32)
+    self.bit_first = rep_bits(bit_at).astype(np.int32)
+    self.bit_cap = rep_bits(caps).astype(np.int32)
+    # Per slot: the last bitmap bit of its vector.
+    self.slot_last_bit = rep(bit_at + np.asarray(highs) - 1).astype(np.int32)
+
+  def encode(self, idx: tf.Tensor) -> tf.Tensor:
+    """int32[words] for the concatenated positions `idx` (int32[num_slots])."""
+    idx = tf.cast(idx, tf.int32)
+    valid = idx < self.slot_n
+    dump = self.words
+    low = tf.where(valid, tf.bitwise.bitwise_and(
+        tf.bitcast(idx, tf.uint32), self.low_mask), tf.zeros([], tf.uint32))
+    low_here = tf.bitwise.left_shift(low, self.low_shift)
+    low_next = tf.bitwise.right_shift(low, self.spill_shift)
+    high_bit = (self.slot_high_at
+                + tf.cast(tf.bitwise.right_shift(idx, self.slot_b)
+                          + self.slot_local, tf.int64))
+    high = tf.bitwise.left_shift(
+        tf.ones([self.num_slots], tf.uint32),
+        tf.cast(tf.bitwise.bitwise_and(high_bit, 31), tf.uint32))
+    segments = tf.concat([
+        tf.where(tf.logical_and(valid, self.has_low), self.low_word, dump),
+        tf.where(tf.logical_and(valid, self.spill), self.low_word + 1, dump),
+        tf.where(valid, tf.cast(tf.bitwise.right_shift(high_bit, 5), tf.int32),
+                 dump)], 0)
+    values = tf.bitcast(tf.concat([low_here, low_next, high], 0), tf.int32)
+    return tf.math.unsorted_segment_sum(values, segments, dump + 1)[:dump]
+
+  def decode(self, words: tf.Tensor) -> tf.Tensor:
+    """int32[r, num_slots] positions (padding = n) from int32[r, words]."""
+    r = words.shape[0]
+    bits = tf.bitcast(words, tf.uint32)
+    low = tf.bitwise.right_shift(tf.gather(bits, self.low_word, axis=1),
+                                 self.low_shift)
+    spill = tf.bitwise.left_shift(
+        tf.gather(bits, np.minimum(self.low_word + 1, self.words - 1), axis=1),
+        self.spill_shift)
+    low = tf.bitwise.bitwise_and(
+        tf.where(self.spill, tf.bitwise.bitwise_or(low, spill), low),
+        self.low_mask)
+    # The bitmap, one entry per bit; the i-th set bit of a vector (i from
+    # 0) at q gives slot i the upper bits q - i.
+    bit = tf.bitcast(tf.bitwise.bitwise_and(tf.bitwise.right_shift(
+        tf.gather(bits, self.bit_word, axis=1), self.bit_shift), 1), tf.int32)
+    cum = tf.cumsum(bit, axis=1)
+    upto = cum - tf.gather(cum - bit, self.bit_first, axis=1)  # within its vector
+    slot = upto - 1
+    fits = tf.logical_and(bit > 0, slot < self.bit_cap)
+    rows = tf.range(r, dtype=tf.int32)[:, None] * self.num_slots
+    segment = tf.where(fits, rows + self.bit_slot_at + slot, r * self.num_slots)
+    upper = tf.math.unsorted_segment_sum(
+        tf.reshape(self.bit_q - slot, [-1]), tf.reshape(segment, [-1]),
+        r * self.num_slots + 1)[:-1]
+    upper = tf.reshape(upper, [r, self.num_slots])
+    used = tf.gather(upto, self.slot_last_bit, axis=1)
+    idx = tf.bitwise.bitwise_or(tf.bitwise.left_shift(upper, self.slot_b),
+                                tf.bitcast(low, tf.int32))
+    return tf.where(self.slot_local < used, idx, self.slot_n)
+
+
 def _pack(values: tf.Tensor, nbytes: int, words: int) -> tf.Tensor:
   """Packs int32 `values` (each < 256**nbytes) into `words` int32 words."""
   if nbytes == 4:
@@ -301,11 +460,13 @@ def _unpack(words: tf.Tensor, nbytes: int, length: int) -> tf.Tensor:
 def encode_indices(idx: tf.Tensor, encoding: Encoding) -> tf.Tensor:
   """int32[encoding.words] wire words for positions `idx` (padding = n).
 
-  For the chunked layouts `idx` must be increasing with the padding last
+  For the chunked and "ef" layouts `idx` must be increasing with the padding last
   (as `compact` returns it).
   """
   if encoding.name == "int32":
     return tf.cast(idx, tf.int32)
+  if encoding.name == "ef":
+    return _EliasFano([encoding]).encode(idx)
   n, chunk, nc = encoding.n, encoding.chunk, encoding.num_chunks
   idx = tf.cast(idx, tf.int32)
   valid = idx < n
@@ -329,8 +490,11 @@ def decode_indices(words: tf.Tensor, encoding: Encoding) -> tf.Tensor:
   if words.shape.rank not in (1, 2):
     raise ValueError(f"decode_indices: words must be rank 1 or 2, got shape "
                      f"{words.shape}")
-  n, cap, nc = encoding.n, encoding.capacity, encoding.num_chunks
   rows = words if words.shape.rank == 2 else words[None]
+  if encoding.name == "ef":
+    idx = _EliasFano([encoding]).decode(rows)
+    return idx if words.shape.rank == 2 else idx[0]
+  n, cap, nc = encoding.n, encoding.capacity, encoding.num_chunks
   r = rows.shape[0]
   counts = _unpack(rows[:, :encoding.count_words], encoding.count_bytes, nc)
   offsets = _unpack(rows[:, encoding.count_words:], encoding.offset_bytes, cap)
@@ -640,7 +804,12 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   # each); long ones go one by one (see BATCH_CAPACITY).
   short = [v for v, e in enumerate(encs) if e.capacity <= batch_capacity]
   long = [v for v, e in enumerate(encs) if e.capacity > batch_capacity]
-  layout = _Layout([encs[v] for v in short]) if short else None
+  # Short "ef" vectors have their own batched coder; the others share `_Layout`.
+  short_ef = [v for v in short if encs[v].name == "ef"]
+  short_other = [v for v in short if encs[v].name != "ef"]
+  coders = [(members, coder([encs[v] for v in members]))
+            for members, coder in ((short_other, _Layout), (short_ef, _EliasFano))
+            if members]
   # One all-gather for everything: index words and 4-byte values travel in
   # one int32 stream (values bitcast), other value dtypes in one stream each.
   # One collective per vector and tensor would cost a rendezvous each.
@@ -658,11 +827,11 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     maps.setdefault(w, []).append(word_map)
     return w, at
 
-  words_at = [put(layout.encode(tf.concat([idxs[v] for v in short], 0)),
-                  _WordMap.join([_index_map(v, encs[v]) for v in short]))[1]
-              ] if short else []
-  words_at += [put(encode_indices(idxs[v], encs[v]), _index_map(v, encs[v]))[1]
-               for v in long]
+  coder_at = [put(coder.encode(tf.concat([idxs[v] for v in members], 0)),
+                  _WordMap.join([_index_map(v, encs[v]) for v in members]))[1]
+              for members, coder in coders]
+  words_at = [put(encode_indices(idxs[v], encs[v]), _index_map(v, encs[v]))[1]
+              for v in long]
   short_by_dtype = {}        # value dtype -> short vectors
   for v in short:
     short_by_dtype.setdefault(vals[v].dtype, []).append(v)
@@ -692,9 +861,14 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
 
   out = [None] * len(buffers)
   if short:
-    idx = layout.decode(rows[tf.int32][:, words_at[0]:words_at[0] + layout.words])
-    slot_at = np.cumsum([0] + [encs[v].capacity for v in short])
-    column = {v: np.arange(slot_at[i], slot_at[i + 1]) for i, v in enumerate(short)}
+    decoded = [coder.decode(rows[tf.int32][:, at:at + coder.words])
+               for (_, coder), at in zip(coders, coder_at)]
+    idx = decoded[0] if len(decoded) == 1 else tf.concat(decoded, 1)
+    order = [v for members, _ in coders for v in members]  # columns of idx
+    slot_at = np.cumsum([0] + [encs[v].capacity for v in order])
+    column = {v: np.arange(slot_at[i], slot_at[i + 1]) for i, v in enumerate(order)}
+    slot_n = np.repeat([encs[v].n for v in order],
+                       [encs[v].capacity for v in order]).astype(np.int32)
     for dtype, members in short_by_dtype.items():
       # The group's vectors laid end to end: one scatter-add, one split. Per
       # position, replicas are added in replica order, as in `scatter_sum`.
@@ -702,8 +876,9 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
       ns = [encs[v].n for v in members]
       start = np.repeat(np.cumsum([0] + ns)[:-1],
                         [encs[v].capacity for v in members]).astype(np.int32)
-      mine = idx if len(members) == len(short) else tf.gather(idx, cols, axis=1)
-      pos = tf.where(mine < layout.slot_n[cols], mine + start, -1)
+      mine = (idx if np.array_equal(cols, np.arange(slot_n.size))
+              else tf.gather(idx, cols, axis=1))
+      pos = tf.where(mine < slot_n[cols], mine + start, -1)
       total = tf.math.unsorted_segment_sum(
           tf.reshape(take(short_vals[dtype], cols.size, dtype), [-1]),
           tf.reshape(pos, [-1]), sum(ns))
@@ -711,7 +886,7 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
         out[v] = part
   for i, v in enumerate(long):
     enc = encs[v]
-    w_at = words_at[i + (1 if short else 0)]
+    w_at = words_at[i]
     words = rows[tf.int32][:, w_at:w_at + enc.words]
     val = take(long_vals[i], enc.capacity, vals[v].dtype)
     idx = decode_indices(words, enc)  # every replica at once
@@ -780,11 +955,28 @@ def _index_map(v: int, enc: Encoding) -> _WordMap:
   if enc.name == "int32":  # one position per word, padding n
     first = np.arange(enc.capacity)
     pad = np.full(enc.capacity, enc.n)
+  elif enc.name == "ef":
+    # Word w holds bits [32 w, 32 w + 32) of the stream: the low bits of
+    # slots from 32 w // b on, and bitmap bits q = (p_i >> b) + i >= 32 w -
+    # capacity b, so of slots i >= 32 w - capacity b - ((n - 1) >> b).
+    start = 32 * np.arange(enc.words)
+    b, low_end = enc.low_bits, enc.capacity * enc.low_bits
+    high = np.maximum(0, start - low_end - ((enc.n - 1) >> b))
+    low = start // b if b else high
+    first = np.where(start + 32 <= low_end, low,
+                     np.where(start < low_end, np.minimum(low, high), high))
+    pad = np.zeros(enc.words, np.int64)
   else:  # chunk counts (always sent), then offsets packed 4 // width a word
     first = np.concatenate([np.zeros(enc.count_words, np.int64),
                             np.arange(enc.offset_words) * (4 // enc.offset_bytes)])
     pad = np.zeros(enc.words, np.int64)
   return _WordMap(np.full(first.size, v), first, pad)
+
+
+def sent_index_words(encoding: Encoding, used: int) -> int:
+  """Index words a replica sends with exact sizes when `used` slots hold a
+  position: the words of `encode_indices` that carry more than padding."""
+  return int(np.sum(_index_map(0, encoding).first < used))
 
 
 def _value_map(v: int, capacity: int, per_slot: int) -> _WordMap:

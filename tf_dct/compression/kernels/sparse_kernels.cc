@@ -462,19 +462,27 @@ inline uint32_t ReadLittle(const unsigned char* at, int64_t nbytes) {
 // within its chunk per slot (`offset_bytes` each, 0 for padding), each part
 // filled to whole little-endian words. Slot j belongs to the chunk whose
 // running count first exceeds j, so the positions must be non-decreasing
-// with the padding last.
+// with the padding last. "ef" (low_bits = b >= 0, chunk 0) sends one
+// little-endian bit stream (bit k is bit k % 32 of word k / 32): the low b
+// bits of each slot's position at bits [j b, j b + b) (0 for padding), then
+// a bitmap of ((n - 1) >> b) + capacity bits in which the i-th position p_i
+// sets bit (p_i >> b) + i; the count is the number of set bits.
 struct Layout {
-  int64_t n, capacity, chunk, count_bytes, offset_bytes;
+  int64_t n, capacity, chunk, count_bytes, offset_bytes, low_bits;
   int64_t count_words, words;  // derived
 
   Layout(int64_t n_, int64_t capacity_, int64_t chunk_, int64_t count_bytes_,
-         int64_t offset_bytes_)
+         int64_t offset_bytes_, int64_t low_bits_)
       : n(n_), capacity(capacity_), chunk(chunk_), count_bytes(count_bytes_),
-        offset_bytes(offset_bytes_) {
+        offset_bytes(offset_bytes_), low_bits(low_bits_) {
     count_words = (num_chunks() * count_bytes + 3) / 4;
     words = chunk ? count_words + (capacity * offset_bytes + 3) / 4 : capacity;
+    if (elias_fano()) words = (high_at() + high_bits() + 31) / 32;
   }
   int64_t num_chunks() const { return chunk ? (n + chunk - 1) / chunk : 0; }
+  bool elias_fano() const { return low_bits >= 0; }
+  int64_t high_at() const { return capacity * low_bits; }  // bitmap start
+  int64_t high_bits() const { return ((n - 1) >> low_bits) + capacity; }
 };
 
 // Writes `value` as `nbytes` little-endian bytes (the inverse of ReadLittle).
@@ -487,16 +495,18 @@ inline void WriteLittle(unsigned char* at, uint32_t value, int64_t nbytes) {
 absl::Status ReadLayouts(OpKernelConstruction* ctx, int64_t num,
                          std::vector<int64_t>* ns, std::vector<int64_t>* chunks,
                          std::vector<int64_t>* count_bytes,
-                         std::vector<int64_t>* offset_bytes) {
+                         std::vector<int64_t>* offset_bytes,
+                         std::vector<int64_t>* low_bits) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("low_bits", low_bits));
   TF_RETURN_IF_ERROR(ctx->GetAttr("ns", ns));
   TF_RETURN_IF_ERROR(ctx->GetAttr("chunks", chunks));
   TF_RETURN_IF_ERROR(ctx->GetAttr("count_bytes", count_bytes));
   TF_RETURN_IF_ERROR(ctx->GetAttr("offset_bytes", offset_bytes));
   for (const size_t size : {ns->size(), chunks->size(), count_bytes->size(),
-                            offset_bytes->size()}) {
+                            offset_bytes->size(), low_bits->size()}) {
     if (static_cast<int64_t>(size) != num) {
-      return InvalidArgument("ns, chunks, count_bytes and offset_bytes must "
-                             "have N = ", num, " entries");
+      return InvalidArgument("ns, chunks, count_bytes, offset_bytes and "
+                             "low_bits must have N = ", num, " entries");
     }
   }
   for (int64_t v = 0; v < num; ++v) {
@@ -507,6 +517,12 @@ absl::Status ReadLayouts(OpKernelConstruction* ctx, int64_t num,
       return InvalidArgument("vector ", v, ": n must be in [1, 2^31 - 1) and "
                              "a chunked layout needs 1-4 bytes per count and "
                              "per offset");
+    }
+    if ((*low_bits)[v] < -1 || (*low_bits)[v] > 30 ||
+        ((*low_bits)[v] >= 0 && (*chunks)[v] != 0)) {
+      return InvalidArgument("vector ", v, ": low_bits must be -1 (not "
+                             "\"ef\") or in [0, 30] with chunk 0, got ",
+                             (*low_bits)[v]);
     }
   }
   return absl::OkStatus();
@@ -522,6 +538,7 @@ REGISTER_OP("TfDctEncode")
     .Attr("chunks: list(int)")
     .Attr("count_bytes: list(int)")
     .Attr("offset_bytes: list(int)")
+    .Attr("low_bits: list(int)")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       c->set_output(0, c->Vector(c->UnknownDim()));
       return absl::OkStatus();
@@ -536,7 +553,7 @@ class EncodeOp : public OpKernel {
   explicit EncodeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_));
     OP_REQUIRES_OK(ctx, ReadLayouts(ctx, num_, &ns_, &chunks_, &count_bytes_,
-                                    &offset_bytes_));
+                                    &offset_bytes_, &low_bits_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -553,7 +570,7 @@ class EncodeOp : public OpKernel {
                                   idx.shape().DebugString(), " and ",
                                   val.shape().DebugString()));
       layouts.emplace_back(ns_[v], idx.NumElements(), chunks_[v],
-                           count_bytes_[v], offset_bytes_[v]);
+                           count_bytes_[v], offset_bytes_[v], low_bits_[v]);
       index_words += layouts.back().words;
       value_words += idx.NumElements() * (sizeof(T) / 4);
     }
@@ -568,7 +585,37 @@ class EncodeOp : public OpKernel {
       const Layout& layout = layouts[v];
       const int32_t* idx = ctx->input(v).flat<int32_t>().data();
       const T* val = ctx->input(num_ + v).flat<T>().data();
-      if (layout.chunk == 0) {  // "int32": the positions themselves
+      if (layout.elias_fano()) {
+        std::fill(words, words + layout.words, 0);
+        auto* bits = reinterpret_cast<uint32_t*>(words);
+        const int64_t b = layout.low_bits;
+        const uint64_t mask = (uint64_t{1} << b) - 1;
+        int64_t previous = -1;
+        bool padding = false;
+        for (int64_t j = 0; j < layout.capacity; ++j) {
+          const int64_t p = idx[j];
+          OP_REQUIRES(ctx, p >= 0 && p <= layout.n,
+                      InvalidArgument("positions of vector ", v, " must be in "
+                                      "[0, ", layout.n, "], got ", p));
+          if (p == layout.n) {
+            padding = true;
+            continue;
+          }
+          OP_REQUIRES(ctx, !padding && p >= previous,
+                      InvalidArgument("positions of vector ", v, " must be "
+                                      "non-decreasing with the padding last "
+                                      "for the \"ef\" layout"));
+          previous = p;
+          if (b > 0) {
+            const int64_t at = j * b;
+            const uint64_t low = (static_cast<uint64_t>(p) & mask) << (at & 31);
+            bits[at >> 5] |= static_cast<uint32_t>(low);
+            if ((at & 31) + b > 32) bits[(at >> 5) + 1] |= low >> 32;
+          }
+          const int64_t q = layout.high_at() + (p >> b) + j;
+          bits[q >> 5] |= uint32_t{1} << (q & 31);
+        }
+      } else if (layout.chunk == 0) {  // "int32": the positions themselves
         std::memcpy(words, idx, layout.capacity * sizeof(int32_t));
       } else {
         std::fill(words, words + layout.words, 0);
@@ -615,7 +662,7 @@ class EncodeOp : public OpKernel {
 
  private:
   int64_t num_;
-  std::vector<int64_t> ns_, chunks_, count_bytes_, offset_bytes_;
+  std::vector<int64_t> ns_, chunks_, count_bytes_, offset_bytes_, low_bits_;
 };
 
 REGISTER_OP("TfDctGatherSum")
@@ -629,6 +676,7 @@ REGISTER_OP("TfDctGatherSum")
     .Attr("chunks: list(int)")
     .Attr("count_bytes: list(int)")
     .Attr("offset_bytes: list(int)")
+    .Attr("low_bits: list(int)")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       int64_t num;
       std::vector<int64_t> ns;
@@ -655,13 +703,13 @@ class GatherSumOp : public OpKernel {
     OP_REQUIRES(ctx, static_cast<int64_t>(capacities_.size()) == num_,
                 InvalidArgument("capacities must have N = ", num_, " entries"));
     OP_REQUIRES_OK(ctx, ReadLayouts(ctx, num_, &ns_, &chunks_, &count_bytes_,
-                                    &offset_bytes_));
+                                    &offset_bytes_, &low_bits_));
     for (int64_t v = 0; v < num_; ++v) {
       OP_REQUIRES(ctx, capacities_[v] >= 1,
                   InvalidArgument("capacities must be >= 1, got ",
                                   capacities_[v]));
       layouts_.emplace_back(ns_[v], capacities_[v], chunks_[v],
-                            count_bytes_[v], offset_bytes_[v]);
+                            count_bytes_[v], offset_bytes_[v], low_bits_[v]);
       index_words_ += layouts_.back().words;
       value_words_ += capacities_[v] * (sizeof(T) / 4);
     }
@@ -708,6 +756,37 @@ class GatherSumOp : public OpKernel {
           nnz += static_cast<int64_t>(after != T(0)) -
                  static_cast<int64_t>(before != T(0));
         };
+        if (layout.elias_fano()) {
+          // Set bits of the bitmap in order, word by word: the j-th at
+          // bitmap bit q is position ((q - j) << b) | low_j.
+          const auto* bits = reinterpret_cast<const uint32_t*>(w);
+          const int64_t b = layout.low_bits;
+          const uint64_t mask = (uint64_t{1} << b) - 1;
+          const int64_t start = layout.high_at();
+          const int64_t end = start + layout.high_bits();
+          int64_t j = 0;
+          for (int64_t word = start >> 5; word * 32 < end && j < layout.capacity;
+               ++word) {
+            uint32_t set = bits[word];
+            if (word == (start >> 5)) set &= ~uint32_t{0} << (start & 31);
+            while (set != 0 && j < layout.capacity) {
+              const int64_t q = word * 32 + __builtin_ctz(set) - start;
+              set &= set - 1;
+              uint64_t low = 0;
+              if (b > 0) {
+                const int64_t at = j * b;
+                uint64_t pair = bits[at >> 5];
+                if ((at >> 5) + 1 < layout.words) {
+                  pair |= static_cast<uint64_t>(bits[(at >> 5) + 1]) << 32;
+                }
+                low = (pair >> (at & 31)) & mask;
+              }
+              add(((q - j) << b) | static_cast<int64_t>(low), j);
+              ++j;
+            }
+          }
+          continue;
+        }
         if (layout.chunk == 0) {
           for (int64_t j = 0; j < layout.capacity; ++j) add(w[j], j);
           continue;
@@ -736,7 +815,8 @@ class GatherSumOp : public OpKernel {
 
  private:
   int64_t num_, index_words_ = 0, value_words_ = 0;
-  std::vector<int64_t> ns_, capacities_, chunks_, count_bytes_, offset_bytes_;
+  std::vector<int64_t> ns_, capacities_, chunks_, count_bytes_, offset_bytes_,
+      low_bits_;
   std::vector<Layout> layouts_;
 };
 
