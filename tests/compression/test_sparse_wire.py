@@ -179,7 +179,7 @@ class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
       ("use_native", {"use_native": None},
        r"use_native must be True or False, got None"),
       ("encoding", {"encoding": "chunk4"}, r"encoding must be 'auto' or one of "
-       r"\('int32', 'chunk16', 'chunk8'\), got 'chunk4'"))
+       r"\('int32', 'chunk16', 'chunk8', 'ef'\), got 'chunk4'"))
   def test_bad_arguments_are_rejected_before_any_op(self, kwargs, pattern):
     graph = tf.Graph()
     with graph.as_default():
