@@ -2,7 +2,8 @@ r"""Exchange time of `sparse_wire.exchange_many`: short buffers batched or not.
 
 In one process on 4 logical CPU devices, each replica exchanges V packed
 buffers of `capacity` slots (vectors of n = 50 * capacity entries, random
-increasing positions, "auto" and "int32" index encodings). The same exchange
+increasing positions, "auto" and "int32" index encodings), on stock ops
+(`use_native=False`: the native exchange has no batching). The same exchange
 is traced twice: with `exchange_many(batch_capacity=...)` at the library's
 `sparse_wire.BATCH_CAPACITY` (buffers of at most that many slots share one
 set of ops) and at 0 (every buffer on its own). Timed blocks alternate; the medians and their ratio are printed. Both
@@ -103,8 +104,10 @@ def exchange_fn(repl, data, n, encoding, batch_capacity):
     ctx = tf.distribute.get_replica_context()
     mine = data[tf.get_static_value(ctx.replica_id_in_sync_group)]
     bufs = [(tf.constant(i), tf.constant(v), n) for i, v in mine]
+    # Stock ops: the native exchange takes every buffer in one op and has
+    # no batching to compare.
     return sparse_wire.exchange_many(ctx, bufs, encoding=encoding,
-                                     presorted=True,
+                                     presorted=True, use_native=False,
                                      batch_capacity=batch_capacity)
 
   step = tf.function(lambda: repl.run(fn))

@@ -271,7 +271,8 @@ def _patches(path: pathlib.Path) -> list[str]:
           root_name(node.args[0]) in imported
           or (len(node.args) > 2 and is_function(node.args[2]))):
         found.append(f"{path.name}:{node.lineno}")
-      elif "patch" in name.split("."):
+      elif ("patch" in name.split(".")[1:]  # mock.patch(...), mock.patch.object
+            or name.split(".")[0] == "patch" and "patch" in imported):
         found.append(f"{path.name}:{node.lineno}")
   return sorted(found, key=lambda where: int(where.rsplit(":", 1)[1]))
 
@@ -294,9 +295,16 @@ class BenchStudiesTest(tf.test.TestCase):
                       "setattr(compressor, 'aggregate', hook)\n"
                       "local = object()\nargs = fig5.parse()\nargs.steps = int('3')\n"
                       "setattr(args, 'steps', 4)\nconfig = fig5.config()\n"
-                      "config.model.width = 8\n", encoding="utf-8")
+                      "config.model.width = 8\n"
+                      "from unittest.mock import patch\npatch('bench.fig5.x')\n"
+                      "patch.object(fig5, 'x')\n", encoding="utf-8")
     self.assertEqual(_patches(sample),
-                     [f"sample.py:{i}" for i in (4, 5, 6, 7, 11, 12, 13)])
+                     [f"sample.py:{i}" for i in (4, 5, 6, 7, 11, 12, 13, 21, 22)])
+    # A local variable named `patch` (a matplotlib patch) is not a patch.
+    local = sample.with_name("local.py")
+    local.write_text("def f(ax):\n  for patch in ax.patches:\n"
+                     "    patch.get_y()\n", encoding="utf-8")
+    self.assertEqual(_patches(local), [])
 
 
 if __name__ == "__main__":
