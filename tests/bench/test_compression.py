@@ -33,9 +33,17 @@ def test_unknown_compressor_is_refused_with_the_allowed_names():
   assert "'DCTDP(L=1000,cf=1)'" in proc.stderr  # the allowed names are listed
 
 
+def _json_of(script: str):
+  """What `script` prints as its last line, parsed as JSON. In a subprocess:
+  the benchmark's absl flags would clash with other modules' flags in the
+  test process (e.g. launch.train's --steps)."""
+  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_every_listed_compressor_is_built_as_named():
-  # In a subprocess: the benchmark's absl flags would clash with other
-  # modules' flags in the test process (e.g. launch.train's --steps).
   script = (
       "import json\n"
       "from bench import compression as b\n"
@@ -46,10 +54,7 @@ def test_every_listed_compressor_is_built_as_named():
       "               getattr(c, 'threshold_life', None),\n"
       "               getattr(c, 'capacity_factor', None)]\n"
       "print(json.dumps(out))\n")
-  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  built = json.loads(proc.stdout.strip().splitlines()[-1])
+  built = _json_of(script)
   assert built["DCTDP(L=1000)"] == ["DCTDP", 0, 1000, 2.0]
   assert built["DCTDP(L=1000,min=1024)"] == ["DCTDP", 1024, 1000, 2.0]
   assert built["DCTDP(L=1000,cf=1)"] == ["DCTDP", 0, 1000, 1.0]
@@ -77,10 +82,7 @@ def test_wire_capacity_prices_what_each_compressor_sends():
       "        c.compressed_bytes(tf.Variable(tf.zeros([n])))[0]])\n"
       "  out[name] = rows\n"
       "print(json.dumps(out))\n")
-  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  priced = json.loads(proc.stdout.strip().splitlines()[-1])
+  priced = _json_of(script)
   on_wire = {"DCTDP(L=1000)", "DCTDP(L=1000,cf=1)", "DCTDP(L=1000,min=1024)",
              "DCTDP(L=1)", "TopK", "HardThreshold"}
   for name, rows in priced.items():

@@ -485,6 +485,33 @@ struct Layout {
   int64_t high_bits() const { return ((n - 1) >> low_bits) + capacity; }
 };
 
+// The positions of vector `v` as the "ef" and chunked layouts take them: in
+// [0, n], non-decreasing, the padding (n) last. Sets `*used` to the slots
+// before the padding.
+absl::Status CheckPositions(const int32_t* idx, const Layout& layout, int64_t v,
+                            const char* layout_name, int64_t* used) {
+  int64_t previous = -1;
+  *used = layout.capacity;
+  for (int64_t j = 0; j < layout.capacity; ++j) {
+    const int64_t p = idx[j];
+    if (p < 0 || p > layout.n) {
+      return InvalidArgument("positions of vector ", v, " must be in [0, ",
+                             layout.n, "], got ", p);
+    }
+    if (p == layout.n) {
+      *used = std::min(*used, j);
+      continue;
+    }
+    if (*used < layout.capacity || p < previous) {
+      return InvalidArgument("positions of vector ", v, " must be "
+                             "non-decreasing with the padding last for ",
+                             layout_name);
+    }
+    previous = p;
+  }
+  return absl::OkStatus();
+}
+
 // Writes `value` as `nbytes` little-endian bytes (the inverse of ReadLittle).
 inline void WriteLittle(unsigned char* at, uint32_t value, int64_t nbytes) {
   for (int64_t b = 0; b < nbytes; ++b) at[b] = (value >> (8 * b)) & 0xff;
@@ -590,22 +617,11 @@ class EncodeOp : public OpKernel {
         auto* bits = reinterpret_cast<uint32_t*>(words);
         const int64_t b = layout.low_bits;
         const uint64_t mask = (uint64_t{1} << b) - 1;
-        int64_t previous = -1;
-        bool padding = false;
-        for (int64_t j = 0; j < layout.capacity; ++j) {
+        int64_t used;
+        OP_REQUIRES_OK(ctx, CheckPositions(idx, layout, v, "the \"ef\" layout",
+                                           &used));
+        for (int64_t j = 0; j < used; ++j) {
           const int64_t p = idx[j];
-          OP_REQUIRES(ctx, p >= 0 && p <= layout.n,
-                      InvalidArgument("positions of vector ", v, " must be in "
-                                      "[0, ", layout.n, "], got ", p));
-          if (p == layout.n) {
-            padding = true;
-            continue;
-          }
-          OP_REQUIRES(ctx, !padding && p >= previous,
-                      InvalidArgument("positions of vector ", v, " must be "
-                                      "non-decreasing with the padding last "
-                                      "for the \"ef\" layout"));
-          previous = p;
           if (b > 0) {
             const int64_t at = j * b;
             const uint64_t low = (static_cast<uint64_t>(p) & mask) << (at & 31);
@@ -622,22 +638,11 @@ class EncodeOp : public OpKernel {
         auto* counts = reinterpret_cast<unsigned char*>(words);
         auto* offsets = reinterpret_cast<unsigned char*>(words + layout.count_words);
         std::vector<uint32_t> count(layout.num_chunks(), 0);
-        int64_t previous = -1;
-        bool padding = false;
-        for (int64_t j = 0; j < layout.capacity; ++j) {
+        int64_t used;
+        OP_REQUIRES_OK(ctx, CheckPositions(idx, layout, v, "a chunked layout",
+                                           &used));
+        for (int64_t j = 0; j < used; ++j) {
           const int64_t p = idx[j];
-          OP_REQUIRES(ctx, p >= 0 && p <= layout.n,
-                      InvalidArgument("positions of vector ", v, " must be in "
-                                      "[0, ", layout.n, "], got ", p));
-          if (p == layout.n) {
-            padding = true;
-            continue;
-          }
-          OP_REQUIRES(ctx, !padding && p >= previous,
-                      InvalidArgument("positions of vector ", v, " must be "
-                                      "non-decreasing with the padding last "
-                                      "for a chunked layout"));
-          previous = p;
           ++count[p / layout.chunk];
           WriteLittle(offsets + j * layout.offset_bytes,
                       static_cast<uint32_t>(p % layout.chunk),
