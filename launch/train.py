@@ -87,10 +87,11 @@ def select_keras(argv: list[str]) -> None:
 
 # Replicators that use no GPU: their runs hide the GPUs from TensorFlow.
 NO_GPU_REPLICATORS = ("cpu", "tpu")
-# What a CUDA build of TensorFlow logs while it loads on a machine without a
-# GPU: the C++ logging writes it before it is initialised, so
-# TF_CPP_MIN_LOG_LEVEL does not hold it back (tensorflow#100442).
-IMPORT_NOISE = (b"cudart_stub.cc",)
+# What TensorFlow logs while it loads, before its C++ logging is initialised,
+# so that TF_CPP_MIN_LOG_LEVEL does not hold it back (tensorflow#100442): a
+# CUDA build's lines on a machine without a GPU, and the oneDNN notice on
+# CPUs where oneDNN's custom operations are on.
+IMPORT_NOISE = (b"cudart_stub.cc", b"oneDNN custom operations are on")
 # The notice that precedes such a line (dropped with it, not on its own).
 ABSL_PREAMBLE = b"All log messages before absl::InitializeLog() is called"
 
