@@ -181,8 +181,9 @@ class Compressor(tf.Module):
       variables are all-reduced as they are and keep no state
       (`reduce_as_is`).
     sparse_gradients: how a variable whose gradient is a `tf.IndexedSlices`
-      (an embedding table's rows) is sent. "stock": as TensorFlow sends it,
-      an all-gather of the touched rows, exact and without state. "compress":
+      (an embedding table's rows) is sent. "stock": through TensorFlow's
+      all-gather of the touched rows, exact and without state (each
+      replica's duplicate rows summed first, `dedup_rows`). "compress":
       by the compressor, with a table-sized residual. "auto" (default): as
       "stock" where that moves no more bytes than the compressor would
       (`stock_is_cheaper`), else compressed. The choice is made at a
