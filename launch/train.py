@@ -1384,7 +1384,7 @@ def print_table(s: dict, cfg: dict) -> None:
       ("loss first -> final", f"{fmt(s['first_loss'])} -> {fmt(s['final_loss'])}"),
   ]
   if s["compression"] != "none":
-    rows.insert(3, ("embedding rows sent as stock TF", ", ".join(s.get("sent_as_rows", ()))
+    rows.insert(3, ("embedding tables sent as rows", ", ".join(s.get("sent_as_rows", ()))
                     or f"none (--sparse_gradients={cfg.get('sparse_gradients', 'auto')})"))
     whole = s.get("sent_whole", ())
     rows.insert(4, ("small variables all-reduced whole",

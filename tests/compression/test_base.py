@@ -81,12 +81,14 @@ class ExcludeTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllEqual(w_out, w_alone, msg=f"step {t} replica {r}")
     self.assertEqual(with_exclude.state_for(table), {})
     stats = with_exclude.communication_stats()["variables"]["table"]
-    # All-gathered, not densified, as stock TF sends it: the row count, K
-    # rows of WIDTH floats and K int32 ids.
+    # All-gathered, not densified. Stock TF sends the row count, K rows of
+    # WIDTH floats and K int32 ids; so does Dense, while the compressors
+    # send each replica's distinct rows (`dedup_rows`).
+    stock = 4 + K * WIDTH * 4 + K * 4
+    self.assertEqual(stats["last"]["stock_payload_bytes"], [stock] * REPLICAS)
     self.assertEqual(stats["last"]["payload_bytes"],
-                     [4 + K * WIDTH * 4 + K * 4] * REPLICAS)
-    self.assertEqual(stats["last"]["stock_payload_bytes"],
-                     stats["last"]["payload_bytes"])
+                     [stock if name == "Dense" else
+                      _rows_payload(ids[-1], WIDTH)] * REPLICAS)
     self.assertNotIn("counters", stats)
 
   @parameterized.named_parameters(
@@ -116,6 +118,14 @@ SPARSE = {
 def _stock_ring_bytes(rows, width, replicas=REPLICAS):
   """(n - 1) * (4 + rows * (4 width + 4)): TF's all-gather of int32 ids."""
   return (replicas - 1) * (4 + rows * (4 * width + 4))
+
+
+def _rows_payload(ids, width):
+  """P of float32 rows sent with `dedup_rows`, `ids` [replicas, k] (int32):
+  TF's row count, every replica's distinct rows padded to the largest
+  count, and that count's own all-gather."""
+  longest = max(len(np.unique(replica_ids)) for replica_ids in ids)
+  return 4 + longest * (4 * width + 4) + 4
 
 
 def _sparse_run(compressor, steps=2, jit_compile=False, phases=False):
@@ -154,6 +164,7 @@ def _sparse_run(compressor, steps=2, jit_compile=False, phases=False):
     out.append(util.local(repl, repl.run(step_fn, input_fn)))
     done[0] += 1
   exact = []
+  ids = {name: feed[0] for name, feed in feeds.items()}
   for t in range(steps):
     sums = []
     for name, (n, w, _) in TABLES.items():
@@ -162,7 +173,7 @@ def _sparse_run(compressor, steps=2, jit_compile=False, phases=False):
         np.add.at(total, feeds[name][0][t, r], feeds[name][1][t, r])
       sums.append(total)
     exact.append(sums)
-  return out, exact, tables
+  return out, exact, tables, ids
 
 
 class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
@@ -170,7 +181,7 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
   @parameterized.named_parameters(*[(name, name) for name in SPARSE])
   def test_auto_sends_rows_as_tf_does_where_cheaper(self, name):
     compressor = SPARSE[name]()
-    out, exact, tables = _sparse_run(compressor)
+    out, exact, tables, ids = _sparse_run(compressor)
     wide, tall = tables["wide"], tables["tall"]
     self.assertTrue(compressor.sends_as_is(wide))
     self.assertFalse(compressor.sends_as_is(tall))
@@ -180,7 +191,8 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
       for r in range(REPLICAS):
         self.assertAllClose(out[t][r][0], sums[0], atol=1e-6, rtol=0)
     self.assertEqual(stats["wide"]["last"]["bytes_sent"],
-                     [_stock_ring_bytes(4, 8)] * REPLICAS)
+                     [(REPLICAS - 1) * _rows_payload(ids["wide"][-1], 8)]
+                     * REPLICAS)
     # The tall table was compressed, for fewer bytes than its rows cost.
     self.assertLess(stats["tall"]["last"]["bytes_sent"][0],
                     _stock_ring_bytes(64, 4))
@@ -203,7 +215,7 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
   @parameterized.parameters("stock", "compress")
   def test_fixed_choices(self, choice):
     compressor = compression.DCTDP(sparsity=0.99, sparse_gradients=choice)
-    out, exact, tables = _sparse_run(compressor, steps=1)
+    out, exact, tables, _ = _sparse_run(compressor, steps=1)
     for name, table in tables.items():
       self.assertEqual(compressor.sends_as_is(table), choice == "stock", name)
     exact_tall = np.allclose(out[0][0][1], exact[0][1], atol=1e-6)
@@ -215,7 +227,7 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     # that follows compresses the tables ("compress").
     compressor = compression.DCTDP(sparsity=0.99, warmup_steps=1,
                                    sparse_gradients="compress")
-    out, exact, tables = _sparse_run(compressor, steps=2, phases=True)
+    out, exact, tables, ids = _sparse_run(compressor, steps=2, phases=True)
     warm, compressed = compressor.communication_stats()["phases"]
     self.assertEqual((warm["steps"], compressed["steps"]),
                      ([1] * REPLICAS, [1] * REPLICAS))
@@ -223,9 +235,12 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
       for r in range(REPLICAS):
         self.assertAllClose(out[0][r][v], exact[0][v], atol=1e-6, rtol=0)
     self.assertEqual(warm["total"]["bytes_sent"],
+                     [(REPLICAS - 1) * (_rows_payload(ids["wide"][0], 8)
+                                        + _rows_payload(ids["tall"][0], 4))]
+                     * REPLICAS)
+    self.assertEqual(warm["total"]["stock_bytes"],
                      [_stock_ring_bytes(4, 8) + _stock_ring_bytes(64, 4)]
                      * REPLICAS)
-    self.assertEqual(warm["total"]["stock_bytes"], warm["total"]["bytes_sent"])
     self.assertNotAllClose(out[1][0][1], exact[1][1])
     self.assertGreater(
         np.abs(compressor.state_values(tables["tall"])["residual"]).sum(), 0)
@@ -233,7 +248,7 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
   def test_auto_compresses_under_xla(self):
     # TF's all-gather of IndexedSlices has no XLA kernel.
     compressor = compression.DCTDP(sparsity=0.99)
-    _, _, tables = _sparse_run(compressor, steps=1, jit_compile=True)
+    _, _, tables, _ = _sparse_run(compressor, steps=1, jit_compile=True)
     for table in tables.values():
       self.assertFalse(compressor.sends_as_is(table))
 
@@ -244,6 +259,77 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
           ValueError, r"sparse_gradients must be one of \('auto', 'stock', "
           r"'compress'\), got"):
         SPARSE[name](sparse_gradients=bad)
+
+
+# One step of a 6 x 3 table's rows on 2 replicas, duplicates within each:
+# replica 0 touches 2 distinct rows of its 4, replica 1 3 of its 4.
+DUP_IDS = np.array([[1, 3, 1, 1], [0, 5, 2, 5]], np.int32)
+
+
+class DuplicateRowsTest(tf.test.TestCase, parameterized.TestCase):
+
+  def _run(self):
+    """Sends DUP_IDS's rows (integer-valued floats: every sum is exact)
+    through a compressor's rows path and through Dense; returns per replica
+    (rows path's aggregate, its row count, Dense's aggregate), the numpy
+    sum and the two compressors."""
+    ids = DUP_IDS
+    vals = np.random.default_rng(3).integers(
+        -8, 8, size=ids.shape + (3,)).astype(np.float32)
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(len(ids))],
+                             input_replication=tf_dct.PER_REPLICA)
+    rows_path = compression.TopK(density=0.1, sparse_gradients="stock")
+    stock = compression.Dense()
+    for c in (rows_path, stock):
+      c.bind(repl)
+    with repl.scope():
+      table = tf.Variable(tf.zeros([6, 3]), name="table")
+
+    def input_fn(replica_id):
+      return tf.data.Dataset.from_tensors((ids[replica_id], vals[replica_id]))
+
+    def step_fn(batch):
+      g = tf.IndexedSlices(batch[1], batch[0], tf.constant([6, 3]))
+      ((mine, _),) = rows_path.aggregate([(g, table)])
+      ((theirs, _),) = stock.aggregate([(g, table)])
+      return (tf.convert_to_tensor(mine), tf.size(mine.indices),
+              tf.convert_to_tensor(theirs))
+
+    out = util.local(repl, repl.run(step_fn, input_fn))
+    exact = np.zeros([6, 3], np.float32)
+    for replica_ids, replica_vals in zip(ids, vals):
+      np.add.at(exact, replica_ids, replica_vals)
+    return out, exact, rows_path, stock
+
+  def test_same_aggregate_as_stock_tf_in_fewer_bytes(self):
+    out, exact, rows_path, stock = self._run()
+    for mine, rows, theirs in out:
+      self.assertAllEqual(mine, exact)
+      self.assertAllEqual(theirs, exact)
+      self.assertEqual(rows, 2 + 3)  # the distinct rows of both replicas
+    # Each replica sends its distinct rows, padded by TF to the longest (3):
+    # TF's row count, 3 x (3 floats + an int32 id), and that count (int32).
+    # Stock TF, and Dense, send the 4 rows with duplicates.
+    mine = rows_path.communication_stats()["variables"]["table"]["last"]
+    theirs = stock.communication_stats()["variables"]["table"]["last"]
+    self.assertEqual(mine["payload_bytes"], [4 + 3 * 16 + 4] * 2)
+    self.assertEqual(mine["bytes_sent"], [4 + 3 * 16 + 4] * 2)
+    self.assertEqual(mine["sent"], [2 * 3, 3 * 3])
+    for last in (mine, theirs):
+      self.assertEqual(last["stock_payload_bytes"], [4 + 4 * 16] * 2)
+    self.assertEqual(theirs["payload_bytes"], [4 + 4 * 16] * 2)
+    self.assertEqual(theirs["sent"], [4 * 3] * 2)
+
+  def test_sum_duplicate_rows(self):
+    # Rows of shape [2, 2], int64 ids: one row per id in order of first
+    # appearance, each the sum of that id's rows.
+    ids = np.array([4, 1, 4, 0, 1], np.int64)
+    vals = np.arange(20, dtype=np.float32).reshape(5, 2, 2)
+    out = compression.base.sum_duplicate_rows(
+        tf.IndexedSlices(tf.constant(vals), tf.constant(ids), [6, 2, 2]))
+    self.assertAllEqual(out.indices, [4, 1, 0])
+    self.assertAllEqual(out.values, [vals[0] + vals[2], vals[1] + vals[4], vals[3]])
+    self.assertAllEqual(out.dense_shape, [6, 2, 2])
 
 
 # Dense gradients of a bias (8 entries) and a kernel (8 x 4 = 32) on 2

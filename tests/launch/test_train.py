@@ -341,13 +341,15 @@ class ModelsTest(tf.test.TestCase):
     # send more than the densified baseline.
     self.assertLess(s["communication"]["bytes_sent"],
                     0.5 * s["communication"]["dense_bytes"])
-    # Each phase's own ratio: the warm-up sends what stock TF sends (the
-    # MLPs all-reduced, the tables' rows all-gathered).
+    # Each phase's own ratio: the warm-up sends what stock TF sends for the
+    # MLPs (all-reduced) and fewer bytes for the tables: their rows
+    # all-gathered with each replica's duplicate rows summed (the batches
+    # repeat rows).
     warm, compressed = s["communication"]["phases"]
     self.assertEqual((warm["start"], warm["dense"], warm["steps"]), (0, True, 5))
     self.assertEqual((compressed["start"], compressed["dense"],
                       compressed["steps"]), (5, False, 25))
-    self.assertAllClose(warm["stock_ratio"], 1.0, rtol=1e-12, atol=0)
+    self.assertGreater(warm["stock_ratio"], 1.0)
     self.assertGreater(compressed["ratio"], 2.0)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

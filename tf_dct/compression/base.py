@@ -138,6 +138,33 @@ def sum_per_dtype(ctx: tf.distribute.ReplicaContext, values: Sequence) -> list:
   return out
 
 
+def sum_duplicate_rows(slices: tf.IndexedSlices) -> tf.IndexedSlices:
+  """`slices` with one row per distinct row id, its rows summed.
+
+  Dynamic shapes (`tf.unique`), so not for XLA (`error_feedback.combine_rows`
+  is the static-shape form). Row ids keep the order of their first
+  appearance and each sum adds the rows in their order, so the dense value
+  is that of `slices` up to floating-point summation order.
+  """
+  ids, segment = tf.unique(slices.indices)
+  values = tf.math.unsorted_segment_sum(slices.values, segment, tf.size(ids))
+  return tf.IndexedSlices(values, ids, slices.dense_shape)
+
+
+def longest_rows(ctx: tf.distribute.ReplicaContext,
+                 slices: Sequence[tf.IndexedSlices]) -> list:
+  """Per `tf.IndexedSlices`, the largest row count over the replicas (int32),
+  from one all-gather of this replica's counts (`ROW_COUNT_BYTES` each):
+  TensorFlow pads every replica's rows to that count when they differ."""
+  counts = tf.stack([tf.size(s.indices, out_type=tf.int32) for s in slices])
+  gathered = ctx.all_gather(counts[None], axis=0)  # [replicas, len(slices)]
+  return tf.unstack(tf.reduce_max(gathered, 0), num=len(slices))
+
+
+# Bytes per table of `longest_rows`'s all-gather (one int32 row count).
+ROW_COUNT_BYTES = 4
+
+
 def _replicas_priced() -> int:
   """The replica count `sparse_gradients`/`dense_gradients` "auto" price
   with: the replicas in sync, at least 2 (with one nothing moves)."""
@@ -154,8 +181,9 @@ class Compressor(tf.Module):
       variables are all-reduced as they are and keep no state
       (`reduce_as_is`).
     sparse_gradients: how a variable whose gradient is a `tf.IndexedSlices`
-      (an embedding table's rows) is sent. "stock": as TensorFlow sends it,
-      an all-gather of the touched rows, exact and without state. "compress":
+      (an embedding table's rows) is sent. "stock": through TensorFlow's
+      all-gather of the touched rows, exact and without state (each
+      replica's duplicate rows summed first, `dedup_rows`). "compress":
       by the compressor, with a table-sized residual. "auto" (default): as
       "stock" where that moves no more bytes than the compressor would
       (`stock_is_cheaper`), else compressed. The choice is made at a
@@ -174,6 +202,11 @@ class Compressor(tf.Module):
       updated by the same rule as the compressed ones. Decided at its first gradient and
       kept (`sends_whole`). "compress": always by the compressor.
   """
+
+  # Whether `reduce_as_is` sums each replica's duplicate rows of a
+  # `tf.IndexedSlices` gradient before the all-gather (fewer bytes, the same
+  # aggregate). `Dense` does not: it sends exactly what stock TF sends.
+  dedup_rows: bool = True
 
   # Variable dtypes `check_variable` accepts (the ops of every path exist).
   supported_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32",
@@ -511,17 +544,36 @@ class Compressor(tf.Module):
     """One SUM all-reduce of the gradients as they are, with accounting.
 
     A `tf.IndexedSlices` gradient stays sparse: TensorFlow's collectives
-    all-gather its slices (row count, values and row ids), and that is what
-    is recorded: the stock baseline of `accounting`. A dense gradient is N
-    entries all-reduced.
+    all-gather its slices (row count, values and row ids). With
+    `dedup_rows` (outside XLA, whose shapes are static) each replica first
+    sums its duplicate rows (`sum_duplicate_rows`: one row per distinct id,
+    the same aggregate) and all-gathers its row counts (`longest_rows`);
+    what is recorded is what then crosses: TF's all-gather of the distinct
+    rows padded to the largest count, plus that count. Otherwise the rows go
+    as they are and the record is the stock baseline of `accounting`. A
+    dense gradient is N entries all-reduced.
     """
+    grads = list(grads)
+    rows = ([i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+            if self.dedup_rows and not _private.in_xla_context() else [])
+    for i in rows:
+      grads[i] = sum_duplicate_rows(grads[i])
+    longest = dict(zip(rows, longest_rows(ctx, [grads[i] for i in rows])
+                       if rows else []))
     reduced = sum_per_dtype(ctx, grads)
-    for grad, var, out in zip(grads, variables, reduced):
+    for i, (grad, var, out) in enumerate(zip(grads, variables, reduced)):
       n = var.shape.num_elements()
       if isinstance(grad, tf.IndexedSlices) and isinstance(out, tf.IndexedSlices):
         sent = tf.minimum(tf.size(grad.values, out_type=tf.int64), n)
         nnz = tf.minimum(tf.size(out.values, out_type=tf.int64), n)  # upper bound
-        self.record(var, as_stock=True, nnz=nnz, sent=sent)
+        if i in longest:
+          payload = accounting.indexed_slices_payload(
+              tf.size(grad.indices), var.shape[1:].num_elements()
+              * grad.values.dtype.size, grad.indices.dtype.size,
+              max_rows=longest[i]) + ROW_COUNT_BYTES
+          self.record(var, gather_bytes=payload, nnz=nnz, sent=sent)
+        else:
+          self.record(var, as_stock=True, nnz=nnz, sent=sent)
       else:  # N entries all-reduced, N non-zero
         self.record_dense(var)
     return reduced

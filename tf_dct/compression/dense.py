@@ -11,8 +11,12 @@ class Dense(Compressor):
   """All-reduces every gradient with SUM in one batched collective.
 
   `tf.IndexedSlices` gradients (embedding tables) stay sparse and are
-  all-gathered; the accounting records that (see `Compressor.reduce_as_is`).
+  all-gathered as they are, duplicate row ids included, as the built-ins
+  do (no `dedup_rows`); the accounting records that (see
+  `Compressor.reduce_as_is`).
   """
+
+  dedup_rows = False
 
   def reduce(self, ctx, grads, variables, states):
     del states
