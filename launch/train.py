@@ -233,8 +233,8 @@ flags.DEFINE_boolean("adam_correction", True,
                      "With --optimizer=adam/adamw and --compression=dct/deft/topk: the "
                      "compressor runs Adam itself, its second moment fed every step by a small "
                      "dense side channel and its selection made on Adam-scaled gradients; the "
-                     "compressed variables are updated as plain SGD. Default: on for dct, off "
-                     "for deft and topk (not better with it in our runs); false: the "
+                     "compressed variables are updated as plain SGD. Default: on for dct and "
+                     "topk, off for deft (not better with it in our runs); false: the "
                      "optimizer's Adam acts on the compressed aggregate.")
 flags.DEFINE_list("compression_exclude", [],
                   "Regular expressions; variables whose names match one are all-reduced as "
@@ -713,12 +713,12 @@ def make_optimizer(cfg: dict):
 
 def adam_correction(cfg: dict) -> bool:
   """Whether the compressor runs Adam itself: --adam_correction if given, else
-  the compressors' default (on for dct, off for deft and topk)."""
+  the compressors' default (on for dct and topk, off for deft)."""
   if cfg["optimizer"] not in ("adam", "adamw") or cfg["compression"] not in SPARSIFIERS:
     return False
   if "adam_correction" in cfg.get("explicit", ()):
     return bool(cfg["adam_correction"])
-  return cfg["compression"] == "dct"
+  return cfg["compression"] in ("dct", "topk")
 
 
 # --- the settings a checkpoint was made with ------------------------------------

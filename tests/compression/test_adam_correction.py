@@ -217,11 +217,10 @@ class KerasTest(correction.KerasRun, parameterized.TestCase):
     # density 1 sends everything: with the exact side channel the
     # compressor's Adam is tf-keras Adam (AdamW: its weight decay stays
     # with the optimizer). The bias is excluded: it keeps the optimizer's
-    # own update.
+    # own update. TopK's default (adam=None) turns the correction on.
     make = getattr(k.optimizers, name)
-    comp = TopK(1.0, exclude=("bias",), adam=True,
-                            adam_second_moment="exact", adam_select="raw",
-                            adam_first_moment=first_moment)
+    comp = TopK(1.0, exclude=("bias",), adam_second_moment="exact",
+                adam_select="raw", adam_first_moment=first_moment)
     self._check_equals_dense(comp, lambda: make(0.01), k)
 
   def test_on_by_default_with_adam_only(self):
@@ -234,15 +233,23 @@ class KerasTest(correction.KerasRun, parameterized.TestCase):
       model, _, _ = self._setup(comp, make())  # build creates the state
       self.assertEqual(on, all("adam_m" in comp.state_for(v)
                                for v in model.trainable_variables))
-    for comp in (DEFT(), TopK(0.1)):
-      # off by default (docs/quality.md)
+    # TopK defaults to the same (docs/quality.md): on under Adam, each
+    # replica keeping Adam's first moment; off under momentum SGD.
+    for make_comp in (lambda: TopK(0.1),):
+      for make, on in ((lambda: tf_keras.optimizers.Adam(1e-3), True),
+                       (lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9),
+                        False)):
+        comp = make_comp()
+        model, _, _ = self._setup(comp, make())
+        self.assertEqual(on, all("adam_m" in comp.state_for(v)
+                                 for v in model.trainable_variables))
+        self.assertEqual(on, comp.corrects_adam)
+        if on:
+          self.assertEqual(comp.adam_first_moment, "replica")
+    for comp in (DCTDP(adam=False), TopK(0.1, adam=False), DEFT()):
       model, _, _ = self._setup(comp, tf_keras.optimizers.Adam())
       self.assertFalse(any(comp.corrects_optimizer(v)
                            for v in model.trainable_variables))
-    comp = DCTDP(adam=False)
-    model, _, _ = self._setup(comp, tf_keras.optimizers.Adam())
-    self.assertFalse(any(comp.corrects_optimizer(v)
-                         for v in model.trainable_variables))
 
   def test_checkpoint_restore_leaves_the_trajectory_unchanged(self):
     self._check_restore_keeps_trajectory(

@@ -80,9 +80,9 @@ class ErrorFeedbackCompressor(Compressor):
       off by default: the baselines CLTK and HardThreshold keep their
       published form; TopK defaults to None, as DCTDP).
     adam, adam_second_moment, adam_select, adam_first_moment: Adam
-      correction, as in `DCTDP` (off by default here and in TopK: with
-      exactly k entries a step it was no better overall than without it in
-      our runs, docs/quality.md).
+      correction, as in `DCTDP` (off by default here: the baselines CLTK
+      and HardThreshold keep their published form; TopK defaults to None,
+      as DCTDP).
     adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP` (off
       by default).
   """

@@ -55,6 +55,15 @@ class TopK(ErrorFeedbackCompressor):
     exclude: regular expressions searched in variable names; matching
       variables are all-reduced as they are and keep no state (see
       `Compressor.reduce_as_is`).
+    momentum, momentum_masking: momentum correction, as in `DCTDP` (None:
+      on with a momentum SGD optimizer).
+    adam, adam_second_moment, adam_select, adam_first_moment: Adam
+      correction, as in `DCTDP` (None, the default: on with an Adam or
+      AdamW optimizer without amsgrad, each replica keeping Adam's first
+      moment; False: off).
+    adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP` (off
+      by default).
+    sparse_gradients, dense_gradients: as in `ErrorFeedbackCompressor`.
 
   See the module docstring for the exact conventions.
   """
@@ -68,7 +77,7 @@ class TopK(ErrorFeedbackCompressor):
                warmup_steps: int = 0, capacity_factor: float = 1.0,
                name: str | None = None, exclude: Sequence[str] = (),
                min_count: int = 8, momentum: float | None = None,
-               momentum_masking: bool = False, adam: bool | None = False,
+               momentum_masking: bool = False, adam: bool | None = None,
                adam_second_moment: str = "factored",
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
