@@ -35,10 +35,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 def cluster_spec(num_workers: int = 2, num_ps: int = 1,
                  host: str = "localhost") -> dict:
   """A {"chief", "worker", "ps"} cluster on free ports of `host`."""
-  # Importing tf_dct loads TensorFlow: done only here, where ports are picked,
-  # so that importing this module stays cheap, and with TensorFlow's start-up
-  # log as quiet as in the tasks (`run`).
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  # `tf_dct.distribute.ports` loads no TensorFlow (the packages import their
+  # modules on first use), so the launcher process stays light.
   from tf_dct.distribute.ports import free_ports  # pylint: disable=g-import-not-at-top
   ports = free_ports(1 + num_workers + num_ps)
   return {"chief": [f"{host}:{ports[0]}"],

@@ -7,17 +7,21 @@ at model-parallel splits); `tf_dct.keras` adapts Keras optimizers to them.
 docs/architecture.md says what each may import.
 """
 
-from tf_dct import compression
-from tf_dct import dct_mp
-from tf_dct import distribute
-from tf_dct.distribute.async_replicator import AsyncReplicator
-from tf_dct.distribute.factory import create_replicator, split_cpu
-from tf_dct.distribute.input_pipeline import PER_REPLICA, PER_WORKER, split_batch
-from tf_dct.distribute.multi_worker import MultiWorkerReplicator, PeerFailureError
-from tf_dct.distribute.per_replica_state import PerReplicaState
-from tf_dct.distribute.replicator import Replicator
-from tf_dct.distribute.tpu import TpuReplicator
-from tf_dct.keras import wrap_optimizer
+from tf_dct import _lazy
+from tf_dct import distribute  # light: its names load on first use too
+
+# Imported on first use (`_lazy`): `import tf_dct` alone loads no TensorFlow.
+# The replicators are `tf_dct.distribute`'s (all but its mixin).
+_EXPORTS = {name: module for name, module in distribute._EXPORTS.items()  # pylint: disable=protected-access
+            if name != "ReplicatorMixin"}
+_EXPORTS.update({
+    "compression": "tf_dct.compression",
+    "dct_mp": "tf_dct.dct_mp",
+    "distribute": "tf_dct.distribute",
+    "keras": "tf_dct.keras",
+    "wrap_optimizer": "tf_dct.keras",
+})
+__getattr__, __dir__ = _lazy.exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
 

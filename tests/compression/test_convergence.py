@@ -116,6 +116,7 @@ def _fit_tf_keras(compressor):
     model = _model(tf_keras)
     opt = repl.wrap_optimizer(tf_keras.optimizers.SGD(LR), compression=compressor)
     model.compile(optimizer=opt, loss="mse")
+  opt.build(model.trainable_variables)  # state first: fit traces its step once
   model.fit(_per_replica_input(repl, x, y), epochs=EPOCHS,
             steps_per_epoch=SAMPLES // BATCH, verbose=0)
   return _final_loss(model, x, y)
@@ -127,6 +128,7 @@ def _custom_loop_keras3(compressor):
   with repl.scope():
     model = _model(keras)
     opt = repl.wrap_optimizer(keras.optimizers.SGD(LR), compression=compressor)
+    opt.build(model.trainable_variables)  # state first: the step traces once
 
   def input_fn(ctx):
     del ctx

@@ -48,8 +48,9 @@ class TrainingTest(tf.test.TestCase):
         [tf_keras.Input((D,)), tf_keras.layers.Dense(HIDDEN, activation="relu")]
         + ([layers.DCTSplit(SPARSITY)] if split else [])
         + [tf_keras.layers.Dense(1)])
-    model.compile(tf_keras.optimizers.Adam(3e-3),
-                  tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    opt = tf_keras.optimizers.Adam(3e-3)
+    opt.build(model.trainable_variables)  # slots first: fit traces its step once
+    model.compile(opt, tf_keras.losses.BinaryCrossentropy(from_logits=True))
     model.fit(*TRAIN, batch_size=64, epochs=5, verbose=0, shuffle=True)
     return [model.evaluate(*data, batch_size=256, verbose=0) for data in (TRAIN, TEST)]
 
@@ -60,6 +61,7 @@ class TrainingTest(tf.test.TestCase):
         + ([layers.Keras3DCTSplit(SPARSITY)] if split else [])
         + [keras.layers.Dense(1)])
     opt = keras.optimizers.Adam(3e-3)
+    opt.build(model.trainable_variables)  # slots first: the step traces once
     bce = keras.losses.BinaryCrossentropy(from_logits=True)
 
     @tf.function

@@ -1,10 +1,17 @@
-"""Tests for tf_dct.distribute.ports.free_ports: distinct bindable ports, `n` checked."""
+"""Tests for tf_dct.distribute.ports.free_ports: distinct bindable ports, `n`
+checked, picked without loading TensorFlow."""
 
+import os
+import pathlib
 import socket
+import subprocess
+import sys
 
 import tensorflow as tf
 
 from tf_dct.distribute import ports
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 class FreePortsTest(tf.test.TestCase):
@@ -24,6 +31,17 @@ class FreePortsTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError,
                                     r"free_ports: n must be an int >= 1"):
           ports.free_ports(n)
+
+
+  def test_picking_ports_loads_no_tensorflow(self):
+    # launch/ps_cluster.py picks the ports in a process that runs no TF.
+    code = ("import sys; from tf_dct.distribute.ports import free_ports; "
+            "free_ports(2); print(sorted(m for m in ('tensorflow', 'keras', "
+            "'tf_keras') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True,
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    self.assertEqual(out.stdout.strip(), "[]", out.stderr)
 
 
 if __name__ == "__main__":

@@ -112,8 +112,9 @@ class ModelTest(tf.test.TestCase):
     self.assertEqual(repl.num_replicas, 4)
     with repl.scope():
       model = ncf.build_model(seed=0, **TINY)
-      model.compile(optimizer=repl.wrap_optimizer(tf_keras.optimizers.Adam(0.01)),
-                    loss=ncf.loss, metrics=ncf.metrics())
+      opt = repl.wrap_optimizer(tf_keras.optimizers.Adam(0.01))
+      model.compile(optimizer=opt, loss=ncf.loss, metrics=ncf.metrics())
+    opt.build(model.trainable_variables)  # slots first: fit traces its step once
     hr_before = ncf.evaluate(model)["hr@10"]
     history = model.fit(ncf.make_dataset(256, seed=0), steps_per_epoch=30, epochs=3,
                         verbose=0).history["loss"]
