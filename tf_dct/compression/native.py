@@ -85,6 +85,11 @@ def _flags() -> list[str]:
           # The machine's widest vectors: the one-pass select took 0.40
           # instead of 0.47 ms per call on the benchmark's DLRM with AVX-512.
           + (["-march=native"] if _x86() else [])
+          # TensorFlow's Eigen headers do not compile with AVX512-FP16
+          # enabled (g++ 12: "expected initializer before '<'" in
+          # PacketMathFP16.h); the kernels use no half precision.
+          + (["-mno-avx512fp16"] if _x86() and "avx512_fp16" in
+             _cpu_features().split() else [])
           + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
 
 
