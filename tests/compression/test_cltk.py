@@ -62,6 +62,14 @@ class CLTKReferenceTest(tf.test.TestCase, parameterized.TestCase):
     self.assertGreater(density[4][0], 3 * k_over_n)
     self.assertGreater(density[4][0], 1.5 * density[2][0])
 
+  def test_positions_cross_elias_fano_coded(self):
+    # k = 10 of n = 1000: the "ef" layout of (1000, 10) takes 6 low bits a
+    # position and a bitmap of (999 >> 6) + 10 = 25 bits, 85 bits in 3
+    # words, where one int32 a position took 10; the values take 4 bytes each.
+    compressor = CLTK(density=0.01, dense_gradients="compress")
+    self.assertEqual(compressor.compressed_bytes(tf.Variable(tf.zeros([1000]))),
+                     (0, 4 * 3 + 4 * 10))
+
   def test_compiles_with_xla(self):
     kwargs = dict(density=0.2, warmup_steps=1, min_size=20)
     grads = harness.gradients(3, 1, seed=11)

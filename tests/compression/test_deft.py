@@ -310,8 +310,12 @@ class AccountingTest(tf.test.TestCase):
     parts = deft.partition(sizes, replicas)
     cap = deft.union_capacity(n_g, deft.total_k(n_g, DENSITY), len(parts),
                               compressor.min_count, [p.size for p in parts])
-    # One all-reduce of P float32 norms, of U int32 positions, of U values.
-    moved = 4 * len(parts) + cap * (4 + 4)
+    # One all-reduce of P float32 norms, of the "ef" words of U positions
+    # (b low bits each, then a bitmap of ((n_g - 1) >> b) + U bits), of U
+    # values.
+    b = int(np.floor(np.log2(n_g / cap)))
+    words = -(-(cap * b + ((n_g - 1) >> b) + cap) // 32)
+    moved = 4 * len(parts) + 4 * words + 4 * cap
     stats = compressor.communication_stats()
     self.assertEqual(stats["last"]["payload_bytes"], [moved] * replicas)
     ring = 2 * (replicas - 1) / replicas

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_dct
-from tf_dct.compression import sparse_wire
+from tf_dct.compression import native, sparse_wire
 from tests import util
 from tests.compression import test_native
 
@@ -158,13 +158,12 @@ def exact_index_words(enc, used):
     return used
   if enc.name != "ef":
     return (enc.count_words if used else 0) + -(-used * enc.offset_bytes // 4)
-  # A word is sent when it carries a bit of the first `used` slots' lows
-  # (bits [0, used b)) or a bitmap bit they can set (bits [capacity b,
-  # capacity b + ((n - 1) >> b) + used)).
-  b, cap = enc.low_bits, enc.capacity
-  spans = [(0, used * b), (cap * b, cap * b + ((enc.n - 1) >> b) + used)]
-  return sum(any(lo < hi and lo < 32 * w + 32 and 32 * w < hi for lo, hi in spans)
-             for w in range(enc.words)) if used else 0
+  # The stream of the used slots, laid out for (n, used): b low bits each,
+  # then a bitmap of ((n - 1) >> b) + used bits.
+  if not used:
+    return 0
+  b = max(0, int(np.floor(np.log2(enc.n / used))))
+  return -(-(used * b + ((enc.n - 1) >> b) + used) // 32)
 
 
 class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
@@ -696,6 +695,61 @@ class EncodingTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllEqual(words, want_words)
       self.assertAllEqual(dec_fn(tf.constant(words)),
                           [np.concatenate(row) for row in rows])
+
+  def test_ef_for_the_used_slots_matches_numpy_reference(self):
+    # Exact sizes lay each replica's "ef" stream out for its c used slots:
+    # the words of (n, c), zero-filled to those of (n, capacity). Counts
+    # where b changes (b = 6, 7 and 9 at n = 1000 for c = 10, 7 and 1), 0
+    # and all slots; two vectors at once, rows of different counts decoded
+    # together with their counts; stock ops and the native kernels.
+    specs = [(1000, 10), (70000, 300)]
+    encs = [sparse_wire.make_encoding("ef", n, cap) for n, cap in specs]
+    low_bits, words = sparse_wire.ef_exact_tables(1000, 10)
+    self.assertEqual([int(low_bits[c]) for c in (1, 7, 10)], [9, 7, 6])
+    self.assertEqual(int(words[0]), 0)
+    counts = np.array([[10, 300], [7, 299], [1, 0], [0, 1]], np.int32)
+    rows, want = [], []
+    for r, row_counts in enumerate(counts):
+      idx = [_sorted_positions(n, cap, c, seed=r) for (n, cap), c in
+             zip(specs, row_counts)]
+      rows.append(np.concatenate(idx))
+      streams = [_np_ef_encode(i[:c], n, c) if c else np.zeros(0, np.int32)
+                 for i, (n, _), c in zip(idx, specs, row_counts)]
+      want.append(np.concatenate([np.pad(w, (0, e.words - w.size))
+                                  for w, e in zip(streams, encs)]))
+    want = np.stack(want)
+    self.assertEqual(want.shape[1], sum(e.words for e in encs))
+    coder = sparse_wire._EliasFanoExact(encs)  # pylint: disable=protected-access
+    got = np.stack([coder.encode(tf.constant(i), tf.constant(c)).numpy()
+                    for i, c in zip(rows, counts)])
+    self.assertAllEqual(got, want)
+    self.assertAllEqual(coder.decode(tf.constant(want), tf.constant(counts)),
+                        np.stack(rows))
+    if not native.available():
+      return
+    for r, (i, c) in enumerate(zip(rows, counts)):
+      parts = np.split(i, [specs[0][1]])
+      payload = native.encode([tf.constant(p) for p in parts],
+                              [tf.ones([cap]) for _, cap in specs], encs,
+                              exact=True)
+      self.assertAllEqual(payload[:want.shape[1]], want[r])
+    values = np.arange(1, 1 + sum(cap for _, cap in specs), dtype=np.float32)
+    payload = np.concatenate([want, np.tile(values.view(np.int32),
+                                            (len(counts), 1))], 1)
+    sums, _ = native.gather_sum(tf.constant(payload), encs, tf.float32,
+                                tf.constant(counts))
+    starts = np.cumsum([0] + [cap for _, cap in specs])
+    for v, (n, cap) in enumerate(specs):
+      dense = np.zeros(n, np.float32)
+      for r, i in enumerate(rows):
+        local = i[starts[v]:starts[v + 1]]
+        np.add.at(dense, local[:counts[r, v]],
+                  values[starts[v]:starts[v + 1]][:counts[r, v]])
+      self.assertAllEqual(sums[v], dense)
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                r"counts of vector 1 must be in \[0, 300\], got 301"):
+      native.gather_sum(tf.constant(payload), encs, tf.float32,
+                        tf.constant(counts + np.int32([[0, 1]])))
 
   def test_exchange_batches_short_buffers_and_gives_the_same_sums(self):
     # Short buffers (<= BATCH_CAPACITY slots) go through one batched set of

@@ -13,9 +13,12 @@ Conventions (tests/compression/reference_baselines.py follows them exactly):
 * The leader's selection is `tf.math.top_k` of the magnitudes: among equal
   magnitudes the lower position wins. It runs under `tf.cond` on the leader
   only; the other replicas contribute zeros.
-* The positions are broadcast by an int32 SUM all-reduce of a k-slot buffer
-  that only the leader fills (static shape; no collective inside `tf.cond`),
-  sorted ascending. Then one SUM all-reduce of every replica's k values.
+* The positions, sorted ascending, are broadcast Elias-Fano coded
+  (`sparse_wire`'s "ef" layout of (n, k), about log2(n / k) + 2 bits each)
+  by an int32 SUM all-reduce of the words that only the leader fills
+  (static shape; no collective inside `tf.cond`; the others' zeros leave
+  the words bit for bit). Then one SUM all-reduce of every replica's k
+  values.
 * The step counter t is per variable and per replica (scalar `step`); all
   replicas advance it together, so they always agree on the leader.
 * Dense variables (`min_size`), warmup, non-finite gradients and state as in
@@ -58,9 +61,13 @@ class CLTK(error_feedback_compressor.ErrorFeedbackCompressor):
     self.density = float(self._check("density", density, numbers.Real, 0, True,
                                      1, False))
 
+  def _encoding(self, n: int) -> sparse_wire.Encoding:
+    """The "ef" layout of the k positions the leader broadcasts."""
+    return sparse_wire.make_encoding("ef", n, topk.selected_count(n, self.density))
+
   def _exchange_bytes(self, n, dtype):
-    k = topk.selected_count(n, self.density)
-    return 0, k * (4 + dtype.size)  # positions and values, all-reduced
+    enc = self._encoding(n)
+    return 0, enc.index_bytes + enc.capacity * dtype.size  # all-reduced
 
   def _exchange(self, ctx, items):
     replicas = ctx.num_replicas_in_sync
@@ -69,23 +76,27 @@ class CLTK(error_feedback_compressor.ErrorFeedbackCompressor):
     proposals = []
     # One selection-time span for all variables (see `accounting`).
     start = accounting.start_timer([it.acc for it in items], timing)
-    for it in items:
-      k = topk.selected_count(it.n, self.density)
+    encs = [self._encoding(it.n) for it in items]
+    for it, enc in zip(items, encs):
       is_leader = tf.equal(it.step % replicas, me)
 
-      def lead(acc=it.acc, k=k):  # the leader's local top-k (DEFT §1)
-        return tf.sort(tf.math.top_k(tf.abs(acc), k=k, sorted=True).indices)
+      def lead(acc=it.acc, enc=enc):  # the leader's local top-k (DEFT §1)
+        idx = tf.sort(tf.math.top_k(tf.abs(acc), k=enc.capacity,
+                                    sorted=True).indices)
+        return sparse_wire.encode_indices(idx, enc)
 
       with tf.control_dependencies([start] if timing else []):
         proposals.append(tf.cond(is_leader, lead,
-                                 lambda k=k: tf.zeros([k], tf.int32)))
+                                 lambda enc=enc: tf.zeros([enc.words], tf.int32)))
     seconds = [accounting.stop_timer(start, proposals, timing)]
     seconds += [None] * (len(items) - 1)
     # Broadcast from the leader: the others contribute zeros. One int32
     # buffer for all variables (int32 tensors may sit in host memory, and a
     # batch must not mix host and device tensors).
-    positions = tf.split(primitives.all_sum(tf.concat(proposals, axis=0)),
-                         [p.shape[0] for p in proposals])
+    words = tf.split(primitives.all_sum(tf.concat(proposals, axis=0)),
+                     [p.shape[0] for p in proposals])
+    positions = [sparse_wire.decode_indices(w, enc)
+                 for w, enc in zip(words, encs)]
     values = []
     for it, idx in zip(items, positions):
       val = tf.gather(it.acc, idx)                 # DEFT Algorithm 1 line 8
@@ -94,12 +105,12 @@ class CLTK(error_feedback_compressor.ErrorFeedbackCompressor):
       values.append(val)
     summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values)  # line 9
     out = []
-    for it, idx, val, secs in zip(items, positions, summed, seconds):
+    for it, idx, val, secs, enc in zip(items, positions, summed, seconds, encs):
       k = idx.shape[0]
       hit = sparse_wire.scatter_sum(idx, tf.ones([k], tf.int32), it.n) > 0
       residual = tf.where(hit, tf.zeros_like(it.acc), it.acc)  # lines 11-12
-      # Two all-reduces of k slots: the positions (int32) and the values.
-      report = dict(reduce_bytes=k * (4 + it.acc.dtype.size),
+      # Two all-reduces: the positions' "ef" words and the k values.
+      report = dict(reduce_bytes=enc.index_bytes + k * it.acc.dtype.size,
                     selection_seconds=secs)
       out.append(error_feedback_compressor.Outcome(
           sparse_wire.scatter_sum(idx, val, it.n), residual,

@@ -11,7 +11,8 @@ is shared, every replica contributes its accumulator there, the sum is the
 update, and every replica clears its error at the union.
 
 Three all-reduces per step carry the partition norms, the union of positions
-and the values there. Every choice (partition, budget, packing, rotation,
+(Elias-Fano coded, `sparse_wire`'s "ef" layout, in position order) and the
+values there. Every choice (partition, budget, packing, rotation,
 ties) is a deterministic function of all-reduced numbers, so the replicas
 agree without a leader. docs/sparsifiers.md fixes each convention; the numpy
 reference tests/compression/reference_deft.py follows it exactly.
@@ -285,7 +286,9 @@ class DEFT(Compressor):
     n = variable.shape.num_elements()
     if self._is_dense(variable):
       return 0, n * variable.dtype.size
-    return 0, total_k(n, self.density) * (4 + variable.dtype.size)
+    k = total_k(n, self.density)
+    return 0, (sparse_wire.make_encoding("ef", n, k).index_bytes
+               + k * variable.dtype.size)
 
   def _is_dense(self, variable) -> bool:
     """Always all-reduced densely, with no state: empty or below `min_size`."""
@@ -335,19 +338,22 @@ class DEFT(Compressor):
                     seconds):
     """Reports one group's collectives to the accounting, per variable.
 
-    The group all-reduces P float32 norms, U int32 union positions and U
-    values (plus every entry densely while warmup is configured). Norms are
-    charged to the variable owning the partition; the 2U union slots are
-    split in proportion to variable size (remainder to the last variable), so
-    the per-variable bytes add up to exactly what was all-reduced.
+    The group all-reduces P float32 norms, the "ef" words of the U union
+    positions and U values (plus every entry densely while warmup is
+    configured). Norms are charged to the variable owning the partition;
+    the union's words and values are split in proportion to variable size
+    (remainder to the last variable), so the per-variable bytes add up to
+    exactly what was all-reduced.
     """
     sizes = [v.shape.num_elements() for v in variables]
     n_g = sum(sizes)
-    slots = [cap * size // n_g for size in sizes]
-    slots[-1] += cap - sum(slots)
+    union_bytes = (sparse_wire.make_encoding("ef", n_g, cap).index_bytes
+                   + cap * dtype.size)
+    shares = [union_bytes * size // n_g for size in sizes]
+    shares[-1] += union_bytes - sum(shares)
     for i, var in enumerate(variables):
       norms = 4 * sum(1 for p in parts if p.variable == i)
-      union = slots[i] * (4 + dtype.size)
+      union = shares[i]
       warm = sizes[i] * dtype.size if self.in_graph_warmup else 0
       self.record(var, reduce_bytes=norms + union + warm,
                   nnz=tf.math.count_nonzero(sparse[i], dtype=tf.int32),
@@ -403,12 +409,21 @@ class DEFT(Compressor):
       top = owned_top_k(tf.abs(piece), k[x], bound, owned[x])  # DEFT Alg. 5 line 4
       rank = tf.range(bound)
       keep = tf.logical_and(owned[x], rank < k[x])
+      # In position order: the partitions follow each other, so the union's
+      # slots hold increasing positions, as the "ef" layout needs.
+      top = tf.sort(tf.where(rank < k[x], top, part.size))
       slots.append(tf.where(keep, offsets[x] + rank, cap))
       positions.append(top + part.start)  # DEFT Algorithm 5 line 5
+    # This replica's positions in its slots, the padding n_g elsewhere.
     mine = tf.math.unsorted_segment_sum(
-        tf.concat(positions, 0) - n_g, tf.concat(slots, 0), cap + 1)[:cap]
-    # DEFT Algorithm 1 line 7: the union of every replica's positions.
-    union = ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine) + n_g
+        tf.concat(positions, 0) - n_g, tf.concat(slots, 0), cap + 1)[:cap] + n_g
+    # DEFT Algorithm 1 line 7: the union of every replica's positions, "ef"
+    # coded. Each slot's low bits and bitmap bit come from its one owner, so
+    # the replicas' words share no set bit and their int32 sum is the
+    # union's words.
+    enc = sparse_wire.make_encoding("ef", n_g, cap)
+    union = sparse_wire.decode_indices(ctx.all_reduce(
+        tf.distribute.ReduceOp.SUM, sparse_wire.encode_indices(mine, enc)), enc)
     padded = tf.concat([acc, tf.zeros([1], acc.dtype)], 0)  # padding reads 0
     values = tf.gather(padded, union)  # DEFT Algorithm 1 line 8
     summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, values)  # Alg. 1 line 9

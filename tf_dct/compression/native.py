@@ -85,6 +85,11 @@ def _flags() -> list[str]:
           # The machine's widest vectors: the one-pass select took 0.40
           # instead of 0.47 ms per call on the benchmark's DLRM with AVX-512.
           + (["-march=native"] if _x86() else [])
+          # TensorFlow's Eigen headers do not compile with AVX512-FP16
+          # enabled (g++ 12: "expected initializer before '<'" in
+          # PacketMathFP16.h); the kernels use no half precision.
+          + (["-mno-avx512fp16"] if _x86() and "avx512_fp16" in
+             _cpu_features().split() else [])
           + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
 
 
@@ -238,7 +243,7 @@ def _layouts(encodings):
                         for e in encodings])
 
 
-def encode(idxs, vals, encodings) -> tf.Tensor:
+def encode(idxs, vals, encodings, exact: bool = False) -> tf.Tensor:
   """One replica's packed vectors as one int32 all-gather payload.
 
   Args:
@@ -247,25 +252,32 @@ def encode(idxs, vals, encodings) -> tf.Tensor:
       InvalidArgumentError).
     vals: per vector [capacity] values, all float32 or all float64.
     encodings: per vector its `sparse_wire.Encoding`.
+    exact: lay each "ef" vector out for its used slots (the exact-size
+      exchange, `sparse_wire._EliasFanoExact`) instead of its capacity.
 
   Returns:
     int32[sum of words + sum of capacities * value size / 4]: every vector's
-    index words (`sparse_wire.encode_indices`, bit for bit), then every
-    vector's values.
+    index words (`sparse_wire.encode_indices`, bit for bit, or with `exact`
+    `sparse_wire._EliasFanoExact.encode`), then every vector's values.
 
   Raises:
     RuntimeError: the native library is unavailable (see `library`).
   """
-  return _lib().tf_dct_encode(list(idxs), list(vals), **_layouts(encodings))
+  return _lib().tf_dct_encode(list(idxs), list(vals), exact=exact,
+                              **_layouts(encodings))
 
 
-def gather_sum(payload: tf.Tensor, encodings, dtype):
+def gather_sum(payload: tf.Tensor, encodings, dtype, counts=None):
   """Sums every replica's vectors from the gathered `encode` payloads.
 
   Args:
     payload: int32[replicas, length], one `encode` output per replica.
     encodings: per vector its `sparse_wire.Encoding` (as given to `encode`).
     dtype: tf.float32 or tf.float64, the values' dtype.
+    counts: None for payloads of `encode` at capacity; for those of
+      `encode(..., exact=True)` int32[replicas, vectors], each row's used
+      slots per vector (each in [0, capacity], else InvalidArgumentError),
+      which give the layout of its "ef" vectors.
 
   Returns:
     `(sums, nnz)`: per vector the dense [n] sum, bit for bit
@@ -277,7 +289,10 @@ def gather_sum(payload: tf.Tensor, encodings, dtype):
     RuntimeError: the native library is unavailable (see `library`).
   """
   encodings = list(encodings)
+  exact = counts is not None
+  if not exact:
+    counts = tf.zeros([0, len(encodings)], tf.int32)
   sums, nnz = _lib().tf_dct_gather_sum(
-      payload, T=dtype, N=len(encodings),
+      payload, counts, T=dtype, N=len(encodings), exact=exact,
       capacities=[e.capacity for e in encodings], **_layouts(encodings))
   return list(sums), nnz

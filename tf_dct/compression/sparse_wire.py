@@ -14,7 +14,9 @@ Positions travel as int32 words, either one per slot ("int32"), as offsets
 inside chunks of 65536 / 256 entries packed four bytes to a word, with
 per-chunk counts ahead ("chunk16" / "chunk8"), or Elias-Fano coded ("ef":
 low bits at fixed width plus a bitmap of the high parts, about
-log2(n / capacity) + 2 bits per slot); "auto" takes the fewest words. `exchange_many` sends a step's buffers in one all-gather and handles
+log2(n / capacity) + 2 bits per slot; with exact sizes laid out for the
+used slots instead, `_EliasFanoExact`); "auto" takes the fewest words.
+`exchange_many` sends a step's buffers in one all-gather and handles
 the short ones (at most `BATCH_CAPACITY` slots) with one set of ops.
 docs/compression.md ("The sparse wire format") describes the layouts.
 """
@@ -109,6 +111,31 @@ def ef_low_bits(n: int, capacity: int) -> int:
   bits of the upper-bits bitmap; this b minimises that sum.
   """
   return max(0, (n // capacity).bit_length() - 1)
+
+
+def ef_exact_tables(n: int, capacity: int):
+  """The "ef" layout of c used slots laid out for (n, c), c = 0 .. capacity.
+
+  With exact sizes a replica that uses c of a vector's slots sends the
+  "ef" stream of (n, c): b_c = ef_low_bits(n, c) low bits per slot, then a
+  bitmap of ((n - 1) >> b_c) + c bits, about log2(n / c) + 2 bits per
+  position instead of log2(n / capacity) + 2. Its bit count c (b_c + 1) +
+  ((n - 1) >> b_c) does not decrease with c (where b_c drops by one, the
+  bitmap grows by at least c - b_c bits and the lows shrink by c), so
+  every stream fits in the `Encoding.words` of (n, capacity), zero-filled.
+
+  Returns:
+    `(low_bits, words)`: int64[capacity + 1] each; c = 0 sends no word
+    (its low bits are those of c = capacity, as a placeholder).
+  """
+  c = np.arange(1, capacity + 1, dtype=np.int64)
+  # floor(log2(n // c)) from the binary exponent (exact for integers).
+  b = np.maximum(0, np.frexp((n // c).astype(np.float64))[1] - 1)
+  b = np.where(n // c >= 1, b, 0)
+  bits = c * (b + 1) + ((n - 1) >> b)
+  low_bits = np.concatenate([[ef_low_bits(n, capacity)], b]).astype(np.int64)
+  words = np.concatenate([[0], -(-bits // 32)]).astype(np.int64)
+  return low_bits, words
 
 
 def make_encoding(name: str, n: int, capacity: int) -> Encoding:
@@ -429,6 +456,137 @@ class _EliasFano:
     idx = tf.bitwise.bitwise_or(tf.bitwise.left_shift(upper, self.slot_b),
                                 tf.bitcast(low, tf.int32))
     return tf.where(self.slot_local < used, idx, self.slot_n)
+
+
+class _EliasFanoExact:
+  """Encoder and decoder of "ef" vectors laid out for the slots in use.
+
+  Each vector's words hold the "ef" stream of (n, c) for its c used slots
+  (`ef_exact_tables`), zero-filled to the `Encoding.words` of (n,
+  capacity); `_index_map` sends only the words of the stream. The sender
+  takes c from its positions, the receiver per replica from the counts
+  exchanged ahead of the payload (`_gather_exact`). The layout depends on
+  c, so the bit positions are computed per step (`_EliasFano` keeps them
+  static); decoding is as parallel, row by row.
+  """
+
+  def __init__(self, encodings: Sequence[Encoding]):
+    encodings = list(encodings)
+    if any(e.name != "ef" for e in encodings):
+      raise ValueError("_EliasFanoExact takes 'ef' encodings only")
+    caps = [e.capacity for e in encodings]
+    self.num_vectors = len(encodings)
+    self.num_slots = sum(caps)
+    self.words = sum(e.words for e in encodings)
+    tables = [ef_exact_tables(e.n, e.capacity) for e in encodings]
+    # b of vector v at count c: low_bits[table_at[v] + c].
+    self.table_at = np.cumsum([0] + [c + 1 for c in caps])[:-1].astype(np.int32)
+    self.low_bits = np.concatenate([t[0] for t in tables]).astype(np.int32)
+    word_at = np.cumsum([0] + [e.words for e in encodings])[:-1]
+    rep = lambda xs: np.repeat(np.asarray(xs, np.int64), caps)
+    self.slot_vector = rep(np.arange(len(caps))).astype(np.int32)
+    self.slot_n = rep([e.n for e in encodings]).astype(np.int32)
+    self.slot_local = (np.arange(self.num_slots)
+                       - rep(np.cumsum([0] + caps)[:-1])).astype(np.int32)
+    self.slot_bit_at = 32 * rep(word_at)  # first bit of its vector's stream
+    self.slot_last_word = rep(word_at + np.asarray([e.words for e in encodings])
+                              - 1).astype(np.int32)
+    # Candidate bitmap bits: the longest bitmap, that of c = capacity.
+    highs = [e.high_bits for e in encodings]
+    self.num_bits = sum(highs)
+    bit_at = np.cumsum([0] + highs)[:-1]
+    rep_bits = lambda xs: np.repeat(np.asarray(xs, np.int64), highs)
+    self.bit_vector = rep_bits(np.arange(len(caps))).astype(np.int32)
+    self.bit_q = (np.arange(self.num_bits) - rep_bits(bit_at)).astype(np.int32)
+    self.bit_n = rep_bits([e.n for e in encodings]).astype(np.int32)
+    self.bit_stream_at = 32 * rep_bits(word_at)
+    self.bit_first = rep_bits(bit_at).astype(np.int32)
+    self.bit_slot_at = rep_bits(np.cumsum([0] + caps)[:-1]).astype(np.int32)
+
+  def _low_bits(self, counts: tf.Tensor) -> tf.Tensor:
+    """int32[..., vectors] b per vector from its count."""
+    return tf.gather(self.low_bits, counts + self.table_at)
+
+  def encode(self, idx: tf.Tensor, used: tf.Tensor) -> tf.Tensor:
+    """int32[words] for the concatenated positions `idx` (int32[num_slots],
+    increasing, padding last) with `used` (int32[vectors]) slots in use."""
+    idx = tf.cast(idx, tf.int32)
+    valid = self.slot_local < tf.gather(used, self.slot_vector)
+    b = tf.gather(self._low_bits(used), self.slot_vector)
+    c = tf.cast(tf.gather(used, self.slot_vector), tf.int64)
+    b64 = tf.cast(b, tf.int64)
+    dump = self.words
+    low_at = self.slot_bit_at + tf.cast(self.slot_local, tf.int64) * b64
+    shift = tf.cast(tf.bitwise.bitwise_and(low_at, 31), tf.int32)
+    word = tf.cast(tf.bitwise.right_shift(low_at, 5), tf.int32)
+    spill = shift + b > 32  # the bits run on into the next word
+    mask = tf.bitwise.left_shift(tf.ones_like(b), b) - 1
+    low = tf.bitcast(tf.where(valid, tf.bitwise.bitwise_and(idx, mask), 0),
+                     tf.uint32)
+    low_here = tf.bitwise.left_shift(low, tf.cast(shift, tf.uint32))
+    low_next = tf.bitwise.right_shift(
+        low, tf.cast(tf.where(spill, 32 - shift, 0), tf.uint32))
+    high_bit = (self.slot_bit_at + c * b64
+                + tf.cast(tf.bitwise.right_shift(idx, b) + self.slot_local,
+                          tf.int64))
+    high = tf.bitwise.left_shift(
+        tf.ones([self.num_slots], tf.uint32),
+        tf.cast(tf.bitwise.bitwise_and(high_bit, 31), tf.uint32))
+    segments = tf.concat([
+        tf.where(tf.logical_and(valid, b > 0), word, dump),
+        tf.where(tf.logical_and(valid, spill), word + 1, dump),
+        tf.where(valid, tf.cast(tf.bitwise.right_shift(high_bit, 5), tf.int32),
+                 dump)], 0)
+    values = tf.bitcast(tf.concat([low_here, low_next, high], 0), tf.int32)
+    return tf.math.unsorted_segment_sum(values, segments, dump + 1)[:dump]
+
+  def decode(self, words: tf.Tensor, counts: tf.Tensor) -> tf.Tensor:
+    """int32[r, num_slots] positions (padding = n) from int32[r, words] and
+    each row's counts (int32[r, vectors])."""
+    r = words.shape[0]
+    bits = tf.bitcast(words, tf.uint32)
+    b_rv = self._low_bits(counts)                              # [r, vectors]
+    b = tf.gather(b_rv, self.slot_vector, axis=1)              # [r, slots]
+    c = tf.gather(counts, self.slot_vector, axis=1)
+    b64 = tf.cast(b, tf.int64)
+    valid = self.slot_local < c
+    low_at = self.slot_bit_at + tf.cast(self.slot_local, tf.int64) * b64
+    word = tf.minimum(tf.cast(tf.bitwise.right_shift(low_at, 5), tf.int32),
+                      self.slot_last_word)
+    shift = tf.cast(tf.bitwise.bitwise_and(low_at, 31), tf.int32)
+    spill = shift + b > 32
+    low = tf.bitwise.right_shift(tf.gather(bits, word, axis=1, batch_dims=1),
+                                 tf.cast(shift, tf.uint32))
+    after = tf.gather(bits, tf.minimum(word + 1, self.slot_last_word), axis=1,
+                      batch_dims=1)
+    low = tf.where(spill, tf.bitwise.bitwise_or(low, tf.bitwise.left_shift(
+        after, tf.cast(tf.where(spill, 32 - shift, 0), tf.uint32))), low)
+    mask = tf.bitcast(tf.bitwise.left_shift(tf.ones_like(b), b) - 1, tf.uint32)
+    low = tf.bitcast(tf.bitwise.bitwise_and(low, mask), tf.int32)
+    # Bitmap bit q of vector v (q < ((n - 1) >> b) + c) sits at stream bit
+    # c b + q; the i-th set one gives slot i the upper bits q - i.
+    bb = tf.gather(b_rv, self.bit_vector, axis=1)              # [r, bits]
+    bc = tf.gather(counts, self.bit_vector, axis=1)
+    in_map = self.bit_q < tf.bitwise.right_shift(self.bit_n - 1, bb) + bc
+    at = (self.bit_stream_at + tf.cast(bc, tf.int64) * tf.cast(bb, tf.int64)
+          + self.bit_q)
+    bit_word = tf.where(in_map, tf.cast(tf.bitwise.right_shift(at, 5),
+                                        tf.int32), 0)
+    bit = tf.bitwise.bitwise_and(tf.bitwise.right_shift(
+        tf.gather(bits, bit_word, axis=1, batch_dims=1),
+        tf.cast(tf.bitwise.bitwise_and(at, 31), tf.uint32)), 1)
+    bit = tf.where(in_map, tf.bitcast(bit, tf.int32), 0)
+    cum = tf.cumsum(bit, axis=1)
+    slot = cum - tf.gather(cum - bit, self.bit_first, axis=1) - 1
+    fits = tf.logical_and(bit > 0, slot < bc)
+    rows = tf.range(r, dtype=tf.int32)[:, None] * self.num_slots
+    segment = tf.where(fits, rows + self.bit_slot_at + slot, r * self.num_slots)
+    upper = tf.math.unsorted_segment_sum(
+        tf.reshape(self.bit_q - slot, [-1]), tf.reshape(segment, [-1]),
+        r * self.num_slots + 1)[:-1]
+    upper = tf.reshape(upper, [r, self.num_slots])
+    idx = tf.bitwise.bitwise_or(tf.bitwise.left_shift(upper, b), low)
+    return tf.where(valid, idx, self.slot_n)
 
 
 def _pack(values: tf.Tensor, nbytes: int, words: int) -> tf.Tensor:
@@ -804,12 +962,28 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   # each); long ones go one by one (see BATCH_CAPACITY).
   short = [v for v, e in enumerate(encs) if e.capacity <= batch_capacity]
   long = [v for v, e in enumerate(encs) if e.capacity > batch_capacity]
-  # Short "ef" vectors have their own batched coder; the others share `_Layout`.
+  # Short "ef" vectors have their own batched coder; the others share
+  # `_Layout`. With exact sizes every "ef" vector is laid out for its used
+  # slots (`_EliasFanoExact`), the long ones each with a coder of its own.
   short_ef = [v for v in short if encs[v].name == "ef"]
   short_other = [v for v in short if encs[v].name != "ef"]
+  ef_coder = _EliasFanoExact if exact else _EliasFano
   coders = [(members, coder([encs[v] for v in members]))
-            for members, coder in ((short_other, _Layout), (short_ef, _EliasFano))
+            for members, coder in ((short_other, _Layout), (short_ef, ef_coder))
             if members]
+  long_coders = {v: _EliasFanoExact([encs[v]]) for v in long
+                 if exact and encs[v].name == "ef"}
+
+  def encode(members, coder):  # int32[coder.words] for `members`' positions
+    idx = tf.concat([idxs[v] for v in members], 0)
+    if isinstance(coder, _EliasFanoExact):
+      return coder.encode(idx, tf.gather(used, members))
+    return coder.encode(idx)
+
+  def decode(members, coder, words):  # int32[r, slots] of `members`
+    if isinstance(coder, _EliasFanoExact):
+      return coder.decode(words, tf.gather(counts, members, axis=1))
+    return coder.decode(words)
   # One all-gather for everything: index words and 4-byte values travel in
   # one int32 stream (values bitcast), other value dtypes in one stream each.
   # One collective per vector and tensor would cost a rendezvous each.
@@ -827,10 +1001,11 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     maps.setdefault(w, []).append(word_map)
     return w, at
 
-  coder_at = [put(coder.encode(tf.concat([idxs[v] for v in members], 0)),
+  coder_at = [put(encode(members, coder),
                   _WordMap.join([_index_map(v, encs[v]) for v in members]))[1]
               for members, coder in coders]
-  words_at = [put(encode_indices(idxs[v], encs[v]), _index_map(v, encs[v]))[1]
+  words_at = [put(encode([v], long_coders[v]) if v in long_coders
+                  else encode_indices(idxs[v], encs[v]), _index_map(v, encs[v]))[1]
               for v in long]
   short_by_dtype = {}        # value dtype -> short vectors
   for v in short:
@@ -842,9 +1017,9 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   long_vals = [put(vals[v], _value_map(v, encs[v].capacity, 1)) for v in long]
   names = list(streams)
   r = ctx.num_replicas_in_sync
-  sent = None
+  sent, counts = None, None
   if exact:
-    gathered, sent = _gather_exact(
+    gathered, sent, counts = _gather_exact(
         ctx, [(tf.concat(streams[w], 0), _WordMap.join(maps[w])) for w in names],
         used)
     rows = dict(zip(names, gathered))
@@ -861,8 +1036,8 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
 
   out = [None] * len(buffers)
   if short:
-    decoded = [coder.decode(rows[tf.int32][:, at:at + coder.words])
-               for (_, coder), at in zip(coders, coder_at)]
+    decoded = [decode(members, coder, rows[tf.int32][:, at:at + coder.words])
+               for (members, coder), at in zip(coders, coder_at)]
     idx = decoded[0] if len(decoded) == 1 else tf.concat(decoded, 1)
     order = [v for members, _ in coders for v in members]  # columns of idx
     slot_at = np.cumsum([0] + [encs[v].capacity for v in order])
@@ -889,11 +1064,12 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     w_at = words_at[i]
     words = rows[tf.int32][:, w_at:w_at + enc.words]
     val = take(long_vals[i], enc.capacity, vals[v].dtype)
-    idx = decode_indices(words, enc)  # every replica at once
+    idx = (decode([v], long_coders[v], words) if v in long_coders
+           else decode_indices(words, enc))  # every replica at once
     out[v] = scatter_sum(tf.reshape(idx, [-1]), tf.reshape(val, [-1]), enc.n)
-  counts = ([tf.math.count_nonzero(o, dtype=tf.int64) for o in out] if nnz
-            else None)
-  return result(out, counts, sent or fixed)
+  nonzero = ([tf.math.count_nonzero(o, dtype=tf.int64) for o in out] if nnz
+             else None)
+  return result(out, nonzero, sent or fixed)
 
 
 def _exchange_native(ctx, encs, idxs, vals, used=None):
@@ -909,7 +1085,8 @@ def _exchange_native(ctx, encs, idxs, vals, used=None):
   for dtype, members in groups.items():
     mine = [encs[v] for v in members]
     payload = native.encode([idxs[v] for v in members],
-                            [vals[v] for v in members], mine)
+                            [vals[v] for v in members], mine,
+                            exact=used is not None)
     payload.set_shape([sum(e.words + e.capacity * dtype.size // 4
                            for e in mine)])
     payloads.append(payload)
@@ -917,15 +1094,18 @@ def _exchange_native(ctx, encs, idxs, vals, used=None):
         [_index_map(v, encs[v]) for v in members]
         + [_value_map(v, encs[v].capacity, dtype.size // 4) for v in members]))
   r = ctx.num_replicas_in_sync
-  sent = None
+  sent, used_by_row = None, None
   if used is not None:
-    gathered, sent = _gather_exact(ctx, list(zip(payloads, payload_maps)), used)
+    gathered, sent, used_by_row = _gather_exact(
+        ctx, list(zip(payloads, payload_maps)), used)
   else:
     gathered = [tf.reshape(rows, [r, payload.shape[0]]) for payload, rows in
                 zip(payloads, ctx.all_gather(payloads, axis=0))]
   sums, counts = [None] * len(vals), [None] * len(vals)
   for (dtype, members), rows in zip(groups.items(), gathered):
-    summed, nnz = native.gather_sum(rows, [encs[v] for v in members], dtype)
+    summed, nnz = native.gather_sum(
+        rows, [encs[v] for v in members], dtype,
+        None if used is None else tf.gather(used_by_row, members, axis=1))
     for v, total, count in zip(members, summed, tf.unstack(nnz)):
       sums[v], counts[v] = total, count
   return sums, counts, sent
@@ -938,7 +1118,8 @@ class _WordMap:
 
   An element whose first slot is at or past its vector's used slots holds
   nothing but padding, so exact sizes leave it out and the receiver puts
-  `pad` back, restoring the fixed-capacity stream bit for bit.
+  `pad` back, restoring the stream bit for bit (for "ef" the stream laid
+  out for the used slots, `_EliasFanoExact`).
   """
   vector: np.ndarray
   first: np.ndarray
@@ -956,15 +1137,11 @@ def _index_map(v: int, enc: Encoding) -> _WordMap:
     first = np.arange(enc.capacity)
     pad = np.full(enc.capacity, enc.n)
   elif enc.name == "ef":
-    # Word w holds bits [32 w, 32 w + 32) of the stream: the low bits of
-    # slots from 32 w // b on, and bitmap bits q = (p_i >> b) + i >= 32 w -
-    # capacity b, so of slots i >= 32 w - capacity b - ((n - 1) >> b).
-    start = 32 * np.arange(enc.words)
-    b, low_end = enc.low_bits, enc.capacity * enc.low_bits
-    high = np.maximum(0, start - low_end - ((enc.n - 1) >> b))
-    low = start // b if b else high
-    first = np.where(start + 32 <= low_end, low,
-                     np.where(start < low_end, np.minimum(low, high), high))
+    # The stream of c used slots is laid out for (n, c) and takes words[c]
+    # words (`ef_exact_tables`), a count that grows with c: word w is sent
+    # from the smallest c with words[c] > w on, i.e. when slot c - 1 is used.
+    words = ef_exact_tables(enc.n, enc.capacity)[1]
+    first = np.searchsorted(words, np.arange(enc.words), side="right") - 1
     pad = np.zeros(enc.words, np.int64)
   else:  # chunk counts (always sent), then offsets packed 4 // width a word
     first = np.concatenate([np.zeros(enc.count_words, np.int64),
@@ -975,7 +1152,8 @@ def _index_map(v: int, enc: Encoding) -> _WordMap:
 
 def sent_index_words(encoding: Encoding, used: int) -> int:
   """Index words a replica sends with exact sizes when `used` slots hold a
-  position: the words of `encode_indices` that carry more than padding."""
+  position: the words of `encode_indices` that carry more than padding
+  ("ef": the words of the stream laid out for (n, used))."""
   return int(np.sum(_index_map(0, encoding).first < used))
 
 
@@ -1014,10 +1192,11 @@ def _gather_exact(ctx, streams, used):
     used: int32[vectors], used slots per vector of this replica.
 
   Returns:
-    `(rows, sent)`: per stream the [replicas, length] fixed-capacity rows;
-    per vector the float64 bytes this replica sent for it, the first vector
-    also carrying the step's overhead (header, lengths, padding to the
-    longest replica).
+    `(rows, sent, counts)`: per stream the [replicas, length] rows with the
+    padding restored; per vector the float64 bytes this replica sent for
+    it, the first vector also carrying the step's overhead (header,
+    lengths, padding to the longest replica); int32[replicas, vectors] the
+    used slots of every replica.
   """
   r = ctx.num_replicas_in_sync
   vectors = used.shape[0]
@@ -1057,7 +1236,7 @@ def _gather_exact(ctx, streams, used):
                     for i, (size, n) in enumerate(zip(sizes, longest))])
   sent = tf.unstack(own)
   sent[0] += total - tf.reduce_sum(own)
-  return rows, sent
+  return rows, sent, counts
 
 
 def exchange(ctx: tf.distribute.ReplicaContext, idx: tf.Tensor, val: tf.Tensor,

@@ -485,6 +485,26 @@ struct Layout {
   int64_t high_bits() const { return ((n - 1) >> low_bits) + capacity; }
 };
 
+// Low bits of the "ef" layout of c >= 1 slots for a vector of n entries:
+// max(0, floor(log2(n / c))) (sparse_wire.ef_low_bits). The exact-size
+// exchange lays each replica's "ef" stream out for its c used slots
+// (sparse_wire.ef_exact_tables); it fits in the words of the capacity's.
+inline int64_t EfLowBits(int64_t n, int64_t c) {
+  int64_t q = n / c, b = 0;
+  while (q > 1) {
+    q >>= 1;
+    ++b;
+  }
+  return b;
+}
+
+// The "ef" layout of a vector's stream: at its capacity, or with `exact`
+// for the `used` slots (used >= 1) in use.
+inline Layout EliasFanoFor(const Layout& layout, bool exact, int64_t used) {
+  if (!exact) return layout;
+  return Layout(layout.n, used, 0, 0, 0, EfLowBits(layout.n, used));
+}
+
 // The positions of vector `v` as the "ef" and chunked layouts take them: in
 // [0, n], non-decreasing, the padding (n) last. Sets `*used` to the slots
 // before the padding.
@@ -566,6 +586,7 @@ REGISTER_OP("TfDctEncode")
     .Attr("count_bytes: list(int)")
     .Attr("offset_bytes: list(int)")
     .Attr("low_bits: list(int)")
+    .Attr("exact: bool = false")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       c->set_output(0, c->Vector(c->UnknownDim()));
       return absl::OkStatus();
@@ -574,11 +595,14 @@ REGISTER_OP("TfDctEncode")
 // One replica's contribution to the all-gather of several vectors, as one
 // int32 vector: every vector's index words (Layout), in vector order, then
 // every vector's values, in vector order, sizeof(T) / 4 words per slot.
+// With `exact` each "ef" vector's stream is laid out for its used slots
+// (EliasFanoFor), zero-filled to the words of its capacity's.
 template <typename T>
 class EncodeOp : public OpKernel {
  public:
   explicit EncodeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("exact", &exact_));
     OP_REQUIRES_OK(ctx, ReadLayouts(ctx, num_, &ns_, &chunks_, &count_bytes_,
                                     &offset_bytes_, &low_bits_));
   }
@@ -615,11 +639,12 @@ class EncodeOp : public OpKernel {
       if (layout.elias_fano()) {
         std::fill(words, words + layout.words, 0);
         auto* bits = reinterpret_cast<uint32_t*>(words);
-        const int64_t b = layout.low_bits;
-        const uint64_t mask = (uint64_t{1} << b) - 1;
         int64_t used;
         OP_REQUIRES_OK(ctx, CheckPositions(idx, layout, v, "the \"ef\" layout",
                                            &used));
+        const Layout ef = EliasFanoFor(layout, exact_ && used > 0, used);
+        const int64_t b = ef.low_bits;
+        const uint64_t mask = (uint64_t{1} << b) - 1;
         for (int64_t j = 0; j < used; ++j) {
           const int64_t p = idx[j];
           if (b > 0) {
@@ -628,7 +653,7 @@ class EncodeOp : public OpKernel {
             bits[at >> 5] |= static_cast<uint32_t>(low);
             if ((at & 31) + b > 32) bits[(at >> 5) + 1] |= low >> 32;
           }
-          const int64_t q = layout.high_at() + (p >> b) + j;
+          const int64_t q = ef.high_at() + (p >> b) + j;
           bits[q >> 5] |= uint32_t{1} << (q & 31);
         }
       } else if (layout.chunk == 0) {  // "int32": the positions themselves
@@ -667,11 +692,13 @@ class EncodeOp : public OpKernel {
 
  private:
   int64_t num_;
+  bool exact_;
   std::vector<int64_t> ns_, chunks_, count_bytes_, offset_bytes_, low_bits_;
 };
 
 REGISTER_OP("TfDctGatherSum")
     .Input("payload: int32")
+    .Input("counts: int32")
     .Output("dense: N * T")
     .Output("nnz: int64")
     .Attr("T: {float, double}")
@@ -682,6 +709,7 @@ REGISTER_OP("TfDctGatherSum")
     .Attr("count_bytes: list(int)")
     .Attr("offset_bytes: list(int)")
     .Attr("low_bits: list(int)")
+    .Attr("exact: bool = false")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       int64_t num;
       std::vector<int64_t> ns;
@@ -699,11 +727,15 @@ REGISTER_OP("TfDctGatherSum")
 
 // The sums of every replica's vectors from the gathered payloads (one
 // TfDctEncode output per row), and each sum's number of non-zero entries.
+// With `exact` the payloads are those of TfDctEncode with `exact`, and
+// `counts` ([rows, N]) gives each row's used slots per vector, hence the
+// layout of its "ef" streams; otherwise `counts` is not read.
 template <typename T>
 class GatherSumOp : public OpKernel {
  public:
   explicit GatherSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("exact", &exact_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("capacities", &capacities_));
     OP_REQUIRES(ctx, static_cast<int64_t>(capacities_.size()) == num_,
                 InvalidArgument("capacities must have N = ", num_, " entries"));
@@ -730,6 +762,25 @@ class GatherSumOp : public OpKernel {
     const int64_t rows = payload_t.dim_size(0);
     const int64_t width = payload_t.dim_size(1);
     const int32_t* payload = payload_t.flat<int32_t>().data();
+    const Tensor& counts_t = ctx->input(1);
+    const int32_t* counts = nullptr;
+    if (exact_) {
+      OP_REQUIRES(ctx, counts_t.dims() == 2 && counts_t.dim_size(0) == rows &&
+                           counts_t.dim_size(1) == num_,
+                  InvalidArgument("counts must be [replicas, N] = [", rows,
+                                  ", ", num_, "], got ",
+                                  counts_t.shape().DebugString()));
+      counts = counts_t.flat<int32_t>().data();
+      for (int64_t row = 0; row < rows; ++row) {
+        for (int64_t v = 0; v < num_; ++v) {
+          const int64_t c = counts[row * num_ + v];
+          OP_REQUIRES(ctx, c >= 0 && c <= layouts_[v].capacity,
+                      InvalidArgument("counts of vector ", v, " must be in "
+                                      "[0, ", layouts_[v].capacity, "], got ",
+                                      c));
+        }
+      }
+    }
     Tensor* nnz_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(num_, TensorShape({num_}), &nnz_t));
     int64_t words_at = 0, values_at = index_words_;
@@ -765,23 +816,26 @@ class GatherSumOp : public OpKernel {
           // Set bits of the bitmap in order, word by word: the j-th at
           // bitmap bit q is position ((q - j) << b) | low_j.
           const auto* bits = reinterpret_cast<const uint32_t*>(w);
-          const int64_t b = layout.low_bits;
+          const int64_t used = exact_ ? counts[row * num_ + v] : layout.capacity;
+          if (used == 0) continue;
+          const Layout ef = EliasFanoFor(layout, exact_, used);
+          const int64_t b = ef.low_bits;
           const uint64_t mask = (uint64_t{1} << b) - 1;
-          const int64_t start = layout.high_at();
-          const int64_t end = start + layout.high_bits();
+          const int64_t start = ef.high_at();
+          const int64_t end = start + ef.high_bits();
           int64_t j = 0;
-          for (int64_t word = start >> 5; word * 32 < end && j < layout.capacity;
+          for (int64_t word = start >> 5; word * 32 < end && j < ef.capacity;
                ++word) {
             uint32_t set = bits[word];
             if (word == (start >> 5)) set &= ~uint32_t{0} << (start & 31);
-            while (set != 0 && j < layout.capacity) {
+            while (set != 0 && j < ef.capacity) {
               const int64_t q = word * 32 + __builtin_ctz(set) - start;
               set &= set - 1;
               uint64_t low = 0;
               if (b > 0) {
                 const int64_t at = j * b;
                 uint64_t pair = bits[at >> 5];
-                if ((at >> 5) + 1 < layout.words) {
+                if ((at >> 5) + 1 < ef.words) {
                   pair |= static_cast<uint64_t>(bits[(at >> 5) + 1]) << 32;
                 }
                 low = (pair >> (at & 31)) & mask;
@@ -820,6 +874,7 @@ class GatherSumOp : public OpKernel {
 
  private:
   int64_t num_, index_words_ = 0, value_words_ = 0;
+  bool exact_;
   std::vector<int64_t> ns_, capacities_, chunks_, count_bytes_, offset_bytes_,
       low_bits_;
   std::vector<Layout> layouts_;
