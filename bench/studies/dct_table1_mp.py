@@ -632,6 +632,7 @@ def _verdict(dense: dict, runs: dict, reinits: Sequence[dict]) -> str:
   lines.append(
       "\nCaveats: synthetic data from a teacher that is itself a small DLRM, one "
       "pass of a few hundred thousand rows instead of 6 days of Criteo, Adam "
-      "instead of the paper's SGD, one seed. Absolute losses are not comparable "
+      "instead of the paper's SGD, one data and training seed (the dense runs "
+      "vary the initialisation only). Absolute losses are not comparable "
       "to the paper's; only the changes against dense are.")
   return "\n".join(lines)

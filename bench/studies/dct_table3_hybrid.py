@@ -115,6 +115,7 @@ def _verdict(dense: dict, runs: dict, reinits) -> str:
   lines = t1.eta_sweep_verdict(dense, runs, reinits, PAPER_TABLE3, 0.9)
   lines.append(
       "\nCaveats: synthetic data, a short run, Adam on the aggregated sparse "
-      "gradient (the paper uses SGD), one seed. Compare with dct_table1_mp (MP "
+      "gradient (the paper uses SGD), one data and training seed (the dense runs "
+      "vary the initialisation only). Compare with dct_table1_mp (MP "
       "alone) and dct_table2_dp (DP alone) on the same data.")
   return "\n".join(lines)

@@ -207,6 +207,7 @@ def _verdict(dense: dict, runs: dict, etas, ratios, tol: float, reinits) -> str:
       f"{rt['dct'] / rt['gaussian_sketch']:.1f}x and {rt['dct'] / rt['xgrad_topk']:.1f}x "
       "the bytes of DCT-MP.")
   lines.append(
-      "\nCaveats: synthetic data, short runs, Adam, one seed; the paper does not say "
+      "\nCaveats: synthetic data, short runs, Adam, one data and training seed (the "
+      "dense runs vary the initialisation only); the paper does not say "
       "where its Appendix A split sits (here: the one-split setting of Table 1).")
   return "\n".join(lines)
