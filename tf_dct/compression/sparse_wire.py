@@ -343,6 +343,37 @@ class _Layout:
     return tf.where(self.slot_is_chunked, idx, raw)
 
 
+class _EfVectors:
+  """Where the slots, words and bitmap bits of several "ef" vectors sit when
+  their words follow each other: the offsets both Elias-Fano coders build
+  their per-slot and per-bit tables from."""
+
+  def __init__(self, encodings: Sequence[Encoding], owner: str):
+    self.encodings = list(encodings)
+    if any(e.name != "ef" for e in self.encodings):
+      raise ValueError(f"{owner} takes 'ef' encodings only")
+    self.caps = [e.capacity for e in self.encodings]
+    self.highs = [e.high_bits for e in self.encodings]
+    self.num_slots = sum(self.caps)
+    self.num_bits = sum(self.highs)
+    self.words = sum(e.words for e in self.encodings)
+    self.word_at = np.cumsum([0] + [e.words for e in self.encodings])[:-1]
+    self.slot_at = np.cumsum([0] + self.caps)[:-1]
+    self.bit_at = np.cumsum([0] + self.highs)[:-1]
+    self.slot_n = self.per_slot([e.n for e in self.encodings]).astype(np.int32)
+    # Each slot's place among its own vector's slots.
+    self.slot_local = (np.arange(self.num_slots)
+                       - self.per_slot(self.slot_at)).astype(np.int32)
+
+  def per_slot(self, xs) -> np.ndarray:
+    """int64 per slot: its vector's entry of `xs` (one per vector)."""
+    return np.repeat(np.asarray(xs, np.int64), self.caps)
+
+  def per_bit(self, xs) -> np.ndarray:
+    """int64 per bitmap bit: its vector's entry of `xs` (one per vector)."""
+    return np.repeat(np.asarray(xs, np.int64), self.highs)
+
+
 class _EliasFano:
   """Encoder and decoder of several "ef" vectors' index words at once.
 
@@ -361,19 +392,14 @@ class _EliasFano:
   """
 
   def __init__(self, encodings: Sequence[Encoding]):
-    encodings = list(encodings)
-    if any(e.name != "ef" for e in encodings):
-      raise ValueError("_EliasFano takes 'ef' encodings only")
-    caps = [e.capacity for e in encodings]
-    self.num_slots = sum(caps)
-    self.words = sum(e.words for e in encodings)
-    word_at = np.cumsum([0] + [e.words for e in encodings])[:-1]
-    slot_at = np.cumsum([0] + caps)[:-1]
-    rep = lambda xs: np.repeat(np.asarray(xs, np.int64), caps)
-    self.slot_n = rep([e.n for e in encodings]).astype(np.int32)
+    v = _EfVectors(encodings, "_EliasFano")
+    encodings, caps, highs = v.encodings, v.caps, v.highs
+    word_at, slot_at, bit_at = v.word_at, v.slot_at, v.bit_at
+    rep, rep_bits = v.per_slot, v.per_bit
+    self.num_slots, self.num_bits, self.words = v.num_slots, v.num_bits, v.words
+    self.slot_n, self.slot_local = v.slot_n, v.slot_local
     b = rep([e.low_bits for e in encodings])
     self.slot_b = b.astype(np.int32)
-    self.slot_local = (np.arange(self.num_slots) - rep(slot_at)).astype(np.int32)
     # Low bits of slot j: bits [j b, j b + b) of its vector's stream.
     low_at = 32 * rep(word_at) + self.slot_local * b
     self.low_word = (low_at >> 5).astype(np.int32)
@@ -387,10 +413,6 @@ class _EliasFano:
                                                    for e in encodings]))
     # Per bitmap bit: its word and shift, its value q in its vector's
     # bitmap, its vector's first slot and first bit among all bitmap bits.
-    highs = [e.high_bits for e in encodings]
-    self.num_bits = sum(highs)
-    bit_at = np.cumsum([0] + highs)[:-1]
-    rep_bits = lambda xs: np.repeat(np.asarray(xs, np.int64), highs)
     q = np.arange(self.num_bits) - rep_bits(bit_at)
     stream_bit = (32 * rep_bits(word_at)
                   + rep_bits([e.capacity * e.low_bits for e in encodings]) + q)
@@ -471,37 +493,27 @@ class _EliasFanoExact:
   """
 
   def __init__(self, encodings: Sequence[Encoding]):
-    encodings = list(encodings)
-    if any(e.name != "ef" for e in encodings):
-      raise ValueError("_EliasFanoExact takes 'ef' encodings only")
-    caps = [e.capacity for e in encodings]
+    v = _EfVectors(encodings, "_EliasFanoExact")
+    encodings, caps, word_at, bit_at = v.encodings, v.caps, v.word_at, v.bit_at
+    rep, rep_bits = v.per_slot, v.per_bit
     self.num_vectors = len(encodings)
-    self.num_slots = sum(caps)
-    self.words = sum(e.words for e in encodings)
+    self.num_slots, self.num_bits, self.words = v.num_slots, v.num_bits, v.words
+    self.slot_n, self.slot_local = v.slot_n, v.slot_local
     tables = [ef_exact_tables(e.n, e.capacity) for e in encodings]
     # b of vector v at count c: low_bits[table_at[v] + c].
     self.table_at = np.cumsum([0] + [c + 1 for c in caps])[:-1].astype(np.int32)
     self.low_bits = np.concatenate([t[0] for t in tables]).astype(np.int32)
-    word_at = np.cumsum([0] + [e.words for e in encodings])[:-1]
-    rep = lambda xs: np.repeat(np.asarray(xs, np.int64), caps)
     self.slot_vector = rep(np.arange(len(caps))).astype(np.int32)
-    self.slot_n = rep([e.n for e in encodings]).astype(np.int32)
-    self.slot_local = (np.arange(self.num_slots)
-                       - rep(np.cumsum([0] + caps)[:-1])).astype(np.int32)
     self.slot_bit_at = 32 * rep(word_at)  # first bit of its vector's stream
     self.slot_last_word = rep(word_at + np.asarray([e.words for e in encodings])
                               - 1).astype(np.int32)
     # Candidate bitmap bits: the longest bitmap, that of c = capacity.
-    highs = [e.high_bits for e in encodings]
-    self.num_bits = sum(highs)
-    bit_at = np.cumsum([0] + highs)[:-1]
-    rep_bits = lambda xs: np.repeat(np.asarray(xs, np.int64), highs)
     self.bit_vector = rep_bits(np.arange(len(caps))).astype(np.int32)
     self.bit_q = (np.arange(self.num_bits) - rep_bits(bit_at)).astype(np.int32)
     self.bit_n = rep_bits([e.n for e in encodings]).astype(np.int32)
     self.bit_stream_at = 32 * rep_bits(word_at)
     self.bit_first = rep_bits(bit_at).astype(np.int32)
-    self.bit_slot_at = rep_bits(np.cumsum([0] + caps)[:-1]).astype(np.int32)
+    self.bit_slot_at = rep_bits(v.slot_at).astype(np.int32)
 
   def _low_bits(self, counts: tf.Tensor) -> tf.Tensor:
     """int32[..., vectors] b per vector from its count."""
