@@ -343,6 +343,33 @@ class _Layout:
     return tf.where(self.slot_is_chunked, idx, raw)
 
 
+def _ef_high_parts(bit: tf.Tensor, bit_cap, bit_first, bit_slot_at, bit_q,
+                   num_slots: int) -> tuple[tf.Tensor, tf.Tensor]:
+  """Each slot's high part from the bitmap bits of "ef" vectors.
+
+  Args:
+    bit: int32[r, bits], each candidate bitmap bit as 0 or 1.
+    bit_cap, bit_first, bit_slot_at, bit_q: per bit, its vector's slots in
+      use, first bit, first slot, and the bit's value q within its bitmap.
+    num_slots: slots per row.
+
+  Returns:
+    (int32[r, num_slots] high parts, int32[r, bits] the count of set bits up
+    to each bit within its vector): the i-th set bit at q gives q - i.
+  """
+  r = bit.shape[0] if bit.shape[0] is not None else tf.shape(bit)[0]
+  cum = tf.cumsum(bit, axis=1)
+  upto = cum - tf.gather(cum - bit, bit_first, axis=1)  # within its vector
+  slot = upto - 1
+  fits = tf.logical_and(bit > 0, slot < bit_cap)
+  rows = tf.range(r, dtype=tf.int32)[:, None] * num_slots
+  segment = tf.where(fits, rows + bit_slot_at + slot, r * num_slots)
+  upper = tf.math.unsorted_segment_sum(
+      tf.reshape(bit_q - slot, [-1]), tf.reshape(segment, [-1]),
+      r * num_slots + 1)[:-1]
+  return tf.reshape(upper, [r, num_slots]), upto
+
+
 class _EfVectors:
   """Where the slots, words and bitmap bits of several "ef" vectors sit when
   their words follow each other: the offsets both Elias-Fano coders build
@@ -450,7 +477,6 @@ class _EliasFano:
 
   def decode(self, words: tf.Tensor) -> tf.Tensor:
     """int32[r, num_slots] positions (padding = n) from int32[r, words]."""
-    r = words.shape[0]
     bits = tf.bitcast(words, tf.uint32)
     low = tf.bitwise.right_shift(tf.gather(bits, self.low_word, axis=1),
                                  self.low_shift)
@@ -464,16 +490,8 @@ class _EliasFano:
     # 0) at q gives slot i the upper bits q - i.
     bit = tf.bitcast(tf.bitwise.bitwise_and(tf.bitwise.right_shift(
         tf.gather(bits, self.bit_word, axis=1), self.bit_shift), 1), tf.int32)
-    cum = tf.cumsum(bit, axis=1)
-    upto = cum - tf.gather(cum - bit, self.bit_first, axis=1)  # within its vector
-    slot = upto - 1
-    fits = tf.logical_and(bit > 0, slot < self.bit_cap)
-    rows = tf.range(r, dtype=tf.int32)[:, None] * self.num_slots
-    segment = tf.where(fits, rows + self.bit_slot_at + slot, r * self.num_slots)
-    upper = tf.math.unsorted_segment_sum(
-        tf.reshape(self.bit_q - slot, [-1]), tf.reshape(segment, [-1]),
-        r * self.num_slots + 1)[:-1]
-    upper = tf.reshape(upper, [r, self.num_slots])
+    upper, upto = _ef_high_parts(bit, self.bit_cap, self.bit_first,
+                                 self.bit_slot_at, self.bit_q, self.num_slots)
     used = tf.gather(upto, self.slot_last_bit, axis=1)
     idx = tf.bitwise.bitwise_or(tf.bitwise.left_shift(upper, self.slot_b),
                                 tf.bitcast(low, tf.int32))
@@ -555,7 +573,6 @@ class _EliasFanoExact:
   def decode(self, words: tf.Tensor, counts: tf.Tensor) -> tf.Tensor:
     """int32[r, num_slots] positions (padding = n) from int32[r, words] and
     each row's counts (int32[r, vectors])."""
-    r = words.shape[0]
     bits = tf.bitcast(words, tf.uint32)
     b_rv = self._low_bits(counts)                              # [r, vectors]
     b = tf.gather(b_rv, self.slot_vector, axis=1)              # [r, slots]
@@ -588,15 +605,8 @@ class _EliasFanoExact:
         tf.gather(bits, bit_word, axis=1, batch_dims=1),
         tf.cast(tf.bitwise.bitwise_and(at, 31), tf.uint32)), 1)
     bit = tf.where(in_map, tf.bitcast(bit, tf.int32), 0)
-    cum = tf.cumsum(bit, axis=1)
-    slot = cum - tf.gather(cum - bit, self.bit_first, axis=1) - 1
-    fits = tf.logical_and(bit > 0, slot < bc)
-    rows = tf.range(r, dtype=tf.int32)[:, None] * self.num_slots
-    segment = tf.where(fits, rows + self.bit_slot_at + slot, r * self.num_slots)
-    upper = tf.math.unsorted_segment_sum(
-        tf.reshape(self.bit_q - slot, [-1]), tf.reshape(segment, [-1]),
-        r * self.num_slots + 1)[:-1]
-    upper = tf.reshape(upper, [r, self.num_slots])
+    upper, _ = _ef_high_parts(bit, bc, self.bit_first, self.bit_slot_at,
+                              self.bit_q, self.num_slots)
     idx = tf.bitwise.bitwise_or(tf.bitwise.left_shift(upper, b), low)
     return tf.where(valid, idx, self.slot_n)
 
