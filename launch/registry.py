@@ -70,10 +70,10 @@ class ModelSpec:
     takes_data_dir: whether real data can be read from --data_dir.
     fit_metrics: metrics for `model.compile` in --loop=fit.
     checkpoint_input: the custom loop checkpoints the training dataset's
-      iterator and restores its position on a resume (what DLRM's real
-      Criteo files, a stream that cannot start anywhere, need); otherwise,
-      and in `--loop=fit`, a resume starts the stream at the step
-      (`dataset(cfg, start)`).
+      iterator and restores its position on a resume (for DLRM's real
+      Criteo files: no row before the position is parsed again);
+      otherwise, and in `--loop=fit`, a resume starts the stream at the
+      step (`dataset(cfg, start)`).
   """
 
   name: str
@@ -118,8 +118,9 @@ class ModelSpec:
 
     Every model's synthetic stream, and the real data of all but DLRM, is
     a function of the batch index (`models.data.order`), so the stream from
-    `start` is made directly; real Criteo files are a text stream, whose
-    first `start` batches are read and dropped.
+    `start` is made directly; real Criteo files are opened at the row of
+    batch `start` (`models.data.criteo.tsv_stream`), the rows before it
+    passed over unparsed.
     """
     return self.dataset_fn(self, cfg, start)
 
@@ -138,11 +139,6 @@ class ModelSpec:
 
 def _data_dir(cfg):
   return cfg["data_dir"] or None
-
-
-def _repeat(ds, cfg):
-  """Real-data readers that stop after one pass are repeated for training."""
-  return ds.repeat() if cfg["data_dir"] else ds
 
 
 # --- mlp ---------------------------------------------------------------------
@@ -182,12 +178,8 @@ def _dlrm_build(spec, cfg, split_fn):
 
 def _dlrm_dataset(spec, cfg, start):
   vocab = spec.kwargs(cfg).get("vocab_sizes")
-  if not cfg["data_dir"]:
-    return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], vocab_sizes=vocab,
-                                    start=start)
-  ds = _repeat(spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"],
-                                        data_dir=_data_dir(cfg), vocab_sizes=vocab), cfg)
-  return ds.skip(start) if start else ds
+  return spec.load().make_dataset(cfg["batch_size"], seed=cfg["seed"], data_dir=_data_dir(cfg),
+                                  vocab_sizes=vocab, start=start, repeat=True)
 
 
 def _dlrm_evaluate(spec, model, cfg):

@@ -28,6 +28,7 @@ import tensorflow_recommenders as tfrs
 import tf_keras
 
 from models.data import criteo
+from models.data import order
 
 BOTTOM_MLP = (512, 256, 64, 16)
 TOP_MLP = (512, 256, 128, 1)
@@ -183,23 +184,24 @@ def stages(model: tf_keras.Model) -> list[list[tf_keras.layers.Layer]]:
 def make_dataset(batch_size: int, seed: int = 0, data_dir: str | None = None,
                  split: str = "train", *,
                  vocab_sizes: int | Sequence[int] | None = None,
-                 start: int = 0) -> tf.data.Dataset:
+                 start: int = 0, repeat: bool = False) -> tf.data.Dataset:
   """Batches `((dense, sparse), label)`: synthetic when `data_dir` is empty.
 
-  Synthetic data is endless (`criteo.synthetic_dataset`) and begins at batch
-  `start` (made directly, for a resume); real data reads
-  `{data_dir}/{split}.txt` or `.tsv` once, in order (repeat it yourself),
-  dropping a last partial batch (`start` must be 0: a text file is a
-  stream).
+  Synthetic data is endless (`criteo.synthetic_dataset`). Real data reads
+  `{data_dir}/{split}.txt` or `.tsv` in order, dropping a last partial
+  batch: once, or pass after pass with `repeat` (`criteo.tsv_stream`).
+  Either begins at batch `start`, made directly (for a resume): real rows
+  before it are passed over unparsed.
   """
+  order.check_start(start)
   sizes = default_vocab_sizes(data_dir) if vocab_sizes is None else vocab_sizes
   if not data_dir:
     return criteo.synthetic_dataset(batch_size, seed, sizes, split=split, start=start)
-  if start:
-    raise ValueError("start is for the synthetic data; real Criteo files are read as "
-                     "a stream (skip batches, or checkpoint the iterator)")
   files = criteo.find_files(data_dir, split)
-  return criteo.read_tsv(files, batch_size, sizes, drop_remainder=True).prefetch(2)
+  if repeat:
+    return criteo.tsv_stream(files, batch_size, sizes, start=start).prefetch(2)
+  return criteo.read_tsv(files, batch_size, sizes, drop_remainder=True,
+                         skip_rows=start * batch_size).prefetch(2)
 
 
 def loss(labels: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:

@@ -141,10 +141,73 @@ def hash_column(values: tf.Tensor, vocab_size: int) -> tf.Tensor:
   return tf.cast(tf.where(tf.equal(values, ""), tf.zeros_like(hashed), hashed), tf.int32)
 
 
+def count_rows(path: str) -> int:
+  """The rows `tf.data.TextLineDataset(path)` yields: the newlines in the
+  file, plus one for a last line without one. Counts bytes; parses nothing."""
+  rows, last = 0, b"\n"
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 24):
+      rows += chunk.count(b"\n")
+      last = chunk[-1:]
+  return rows + (last != b"\n")
+
+
+def _check_count(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+  return value
+
+
+def _checked_paths(paths, eager_check_bytes: int) -> list[str]:
+  """The paths as a list; each exists, and those up to `eager_check_bytes`
+  hold only well-formed rows (`check_file`)."""
+  paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+  if not paths:
+    raise ValueError("read_tsv: no files given")
+  for path in paths:
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"Criteo file not found: {path}")
+    if os.path.getsize(path) <= eager_check_bytes:
+      check_file(path)
+  return [os.fspath(p) for p in paths]
+
+
+def _one_pass(paths: list[str], batch_size: int, sizes: list[int], drop_remainder: bool,
+              skip_rows: int = 0, rows: list[int] | None = None) -> tf.data.Dataset:
+  """One pass over the files' rows, in order, from row `skip_rows` (counting
+  across files) on. Files before that row are not opened; in the file that
+  holds it, the lines before it are read and dropped unparsed. `rows`: each
+  file's row count (`count_rows`), if known."""
+  skips = [0] * len(paths)
+  first = 0
+  while skip_rows and first < len(paths):
+    n = rows[first] if rows is not None else count_rows(paths[first])
+    if skip_rows < n:
+      skips[first] = skip_rows
+      break
+    skip_rows -= n
+    first += 1
+  empty = first == len(paths)  # every row skipped
+  paths, skips = (paths[-1:], [0]) if empty else (paths[first:], skips[first:])
+
+  def one_file(path, skip):
+    # Numbered before the skip, so a bad row is named by its line in the file.
+    lines = tf.data.TextLineDataset(path).enumerate(start=1).skip(skip)
+    return lines.batch(batch_size).map(
+        lambda numbers, batch: _parse_lines(batch, numbers, path, sizes))
+
+  files = tf.data.Dataset.from_tensor_slices((paths, tf.constant(skips, tf.int64)))
+  data = files.flat_map(one_file)
+  if drop_remainder or len(paths) > 1:  # batches restart per file: rebatch
+    data = data.rebatch(batch_size, drop_remainder=drop_remainder)
+  return data.take(0) if empty else data
+
+
 def read_tsv(paths: str | Sequence[str], batch_size: int,
              vocab_sizes: int | Sequence[int] = CRITEO_VOCAB_SIZE, *,
              drop_remainder: bool = False,
-             eager_check_bytes: int = EAGER_CHECK_BYTES) -> tf.data.Dataset:
+             eager_check_bytes: int = EAGER_CHECK_BYTES,
+             skip_rows: int = 0) -> tf.data.Dataset:
   """Batches of parsed Criteo rows from TSV files, in file order.
 
   Args:
@@ -154,6 +217,9 @@ def read_tsv(paths: str | Sequence[str], batch_size: int,
     drop_remainder: drop a last batch smaller than `batch_size`.
     eager_check_bytes: files up to this size are fully checked now
       (DataError naming `path:line`); bigger ones only as they are read.
+    skip_rows: rows (counting across the files) to leave out before the
+      first batch. They are never parsed: whole files are passed over by
+      their line counts (`count_rows`), the rest dropped as raw lines.
 
   Returns:
     A dataset of `((dense [B,13] float32, sparse [B,26] int32), label [B,1])`.
@@ -163,26 +229,39 @@ def read_tsv(paths: str | Sequence[str], batch_size: int,
     DataError: a checked file has a malformed row (a bigger file fails
       in the graph as it is read, with the same message after `MALFORMED`).
   """
-  paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+  _check_count("skip_rows", skip_rows)
   sizes = vocab_list(vocab_sizes)
-  if not paths:
-    raise ValueError("read_tsv: no files given")
-  for path in paths:
-    if not os.path.isfile(path):
-      raise FileNotFoundError(f"Criteo file not found: {path}")
-    if os.path.getsize(path) <= eager_check_bytes:
-      check_file(path)
+  paths = _checked_paths(paths, eager_check_bytes)
+  return _one_pass(paths, batch_size, sizes, drop_remainder, skip_rows)
 
-  def one_file(path):
-    lines = tf.data.TextLineDataset(path).enumerate(start=1)
-    return lines.batch(batch_size).map(
-        lambda numbers, batch: _parse_lines(batch, numbers, path, sizes))
 
-  files = tf.data.Dataset.from_tensor_slices([os.fspath(p) for p in paths])
-  data = files.flat_map(one_file)
-  if drop_remainder or len(paths) > 1:  # batches restart per file: rebatch
-    data = data.rebatch(batch_size, drop_remainder=drop_remainder)
-  return data
+def tsv_stream(paths: str | Sequence[str], batch_size: int,
+               vocab_sizes: int | Sequence[int] = CRITEO_VOCAB_SIZE, *,
+               start: int = 0, eager_check_bytes: int = EAGER_CHECK_BYTES) -> tf.data.Dataset:
+  """Endless batches of parsed Criteo rows: the files read in order, pass
+  after pass, each pass dropping its last partial batch; from batch `start`
+  of that stream on.
+
+  The batches before `start` are not made: with `P` whole batches per pass
+  (the files' lines counted, `count_rows`), the stream opens pass
+  `start // P` at row `(start % P) * batch_size` (`read_tsv`'s
+  `skip_rows`), so no row is parsed twice. Arguments and errors as in
+  `read_tsv`; a ValueError if `start > 0` and the files hold fewer rows than
+  one batch.
+  """
+  order.check_start(start)
+  sizes = vocab_list(vocab_sizes)
+  paths = _checked_paths(paths, eager_check_bytes)
+  full = _one_pass(paths, batch_size, sizes, drop_remainder=True).repeat()
+  if not start:
+    return full
+  rows = [count_rows(p) for p in paths]
+  per_pass = sum(rows) // batch_size
+  if not per_pass:
+    raise ValueError(f"tsv_stream: the files hold {sum(rows)} rows, fewer than one "
+                     f"batch of {batch_size}: no batch {start} to start at")
+  skip = (start % per_pass) * batch_size
+  return _one_pass(paths, batch_size, sizes, True, skip, rows).concatenate(full)
 
 
 def find_files(data_dir: str, split: str = "train") -> list[str]:

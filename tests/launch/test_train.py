@@ -25,6 +25,7 @@ import tf_dct
 from launch import registry
 from launch import summaries
 from launch import train
+from models.data import criteo
 from tests import util
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,14 +116,25 @@ class InputResumeTest(tf.test.TestCase, parameterized.TestCase):
     want = list(spec.dataset(_cfg(**dict(cfg, batch_size=64))).take(6))[5]
     tf.nest.map_structure(self.assertAllEqual, got, want)
 
-  @parameterized.parameters("ncf", "transformer", "resnet", "lstm_lm", "dlrm")
-  def test_resume_starts_the_stream_at_the_step(self, model):
+  @parameterized.parameters("ncf", "transformer", "resnet", "lstm_lm", "dlrm", "dlrm:criteo")
+  def test_resume_starts_the_stream_at_the_step(self, case):
     # A checkpoint at step 5 (no training needed to make one): the resumed
     # custom loop's and fit's input are batches 5, 6, ... of the
     # uninterrupted stream, made directly (no iterator state in the
     # checkpoint, no skipped batches).
+    model, _, data = case.partition(":")
     model_dir = self.create_tempdir().full_path
-    cfg = _cfg(model=model, compression="none", model_dir=model_dir)
+    flags_ = dict(model=model, compression="none", model_dir=model_dir)
+    if data:
+      # Real Criteo files: 6 batches of 64 a pass and 10 rows dropped, so
+      # batch 5 ends the first pass and batch 6 opens the second. Row r:
+      # label r % 2, count r in I1, id r in C1 (every row differs).
+      flags_["data_dir"] = self.create_tempdir().full_path
+      with open(os.path.join(flags_["data_dir"], "train.txt"), "w", encoding="utf-8") as f:
+        f.writelines("\t".join([str(r % 2), str(r)] + ["1"] * (criteo.NUM_DENSE - 1)
+                               + [f"{r:08x}"] * criteo.NUM_SPARSE) + "\n"
+                     for r in range(6 * 64 + 10))
+    cfg = _cfg(**flags_)
     job = train.Job(cfg).setup()
     job.step.assign(5)
     job.manager.save(checkpoint_number=5)

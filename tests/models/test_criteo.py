@@ -128,6 +128,83 @@ class ReaderTest(tf.test.TestCase):
     self.assertAllClose(dense, want_dense, atol=1e-5)
 
 
+class ResumeTest(tf.test.TestCase):
+  """A stream started at a batch: the uninterrupted stream's batches from
+  there on, with no row before it parsed."""
+
+  def _files(self):
+    """11 + 6 rows, each its own (row r has count r in I1 and label r % 2)."""
+    paths = [os.path.join(self.get_temp_dir(), name) for name in ("train.txt", "train.tsv")]
+    for path, rows in zip(paths, (range(11), range(11, 17))):
+      with open(path, "w", encoding="utf-8") as f:
+        f.writelines(_row(str(r % 2), [str(r)] + ["1"] * 12) for r in rows)
+    return paths
+
+  def _assert_batches_equal(self, got, want):
+    self.assertEqual(len(got), len(want))
+    for g, w in zip(got, want):
+      tf.nest.map_structure(self.assertAllEqual, g, w)
+
+  def test_stream_from_a_batch_is_the_uninterrupted_stream(self):
+    # 11 + 6 rows in batches of 4: 4 batches a pass (a row dropped each
+    # pass). Batch 3 starts a row into the second file (the first is passed
+    # over whole); batch 6 is the second pass's batch 2, 8 rows into it.
+    paths = self._files()
+    full = list(criteo.tsv_stream(paths, 4, 50, eager_check_bytes=0).take(10))
+    for start in (3, 6):
+      self._assert_batches_equal(
+          list(criteo.tsv_stream(paths, 4, 50, start=start, eager_check_bytes=0).take(10 - start)),
+          full[start:])
+    # One pass from a row: the rows from there, batched afresh.
+    (dense, _), label = next(iter(criteo.read_tsv(paths, 8, 50, skip_rows=9,
+                                                  eager_check_bytes=0)))
+    self.assertAllClose(dense[:, 0], np.log1p(np.arange(9, 17)))
+    self.assertAllEqual(label[:, 0], np.arange(9, 17) % 2)
+    self.assertEmpty(list(criteo.read_tsv(paths, 4, 50, skip_rows=17)))
+
+  def test_rows_before_the_start_are_not_parsed(self):
+    # A row that only parsing rejects (the files are too big for the eager
+    # check here) sits in batch 1 of each pass; a stream from batch 2 reads
+    # to the end of the first pass without it.
+    paths = self._files()
+    with open(paths[0], encoding="utf-8") as f:
+      lines = f.readlines()
+    lines[5] = _row(label="x")
+    with open(paths[0], "w", encoding="utf-8") as f:
+      f.writelines(lines)
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError, r"train.txt:6: label"):
+      list(criteo.tsv_stream(paths, 4, 50, eager_check_bytes=0).take(2))
+    resumed = criteo.tsv_stream(paths, 4, 50, start=2, eager_check_bytes=0)
+    self.assertLen(list(resumed.take(2)), 2)  # batches 2, 3 of the first pass
+    # The next pass reads the bad row again and names its line.
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError, r"train.txt:6: label"):
+      list(resumed.take(4))
+    # Batch 6 (the second pass's batch 2) starts past the bad row as well.
+    self.assertLen(list(criteo.tsv_stream(paths, 4, 50, start=6,
+                                          eager_check_bytes=0).take(2)), 2)
+
+  def test_count_rows_counts_what_the_reader_reads(self):
+    d = self.get_temp_dir()
+    for name, text in {"plain": _row() * 3, "no_last_newline": _row() * 2 + _row()[:-1],
+                       "crlf": (_row() * 2).replace("\n", "\r\n"), "empty": ""}.items():
+      path = os.path.join(d, name)
+      with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+      self.assertEqual(criteo.count_rows(path),
+                       len(list(tf.data.TextLineDataset(path))), name)
+
+  def test_bad_start_and_skip(self):
+    paths = self._files()
+    with self.assertRaisesRegex(ValueError, r"skip_rows must be an int >= 0, got -1"):
+      criteo.read_tsv(paths, 4, skip_rows=-1)
+    with self.assertRaisesRegex(ValueError, r"start \(the index of the first batch\) must "
+                                r"be an int >= 0, got 1.5"):
+      criteo.tsv_stream(paths, 4, start=1.5)
+    with self.assertRaisesRegex(ValueError, r"the files hold 17 rows, fewer than one batch "
+                                r"of 32: no batch 1 to start at"):
+      criteo.tsv_stream(paths, 32, start=1)
+
+
 class SyntheticTest(tf.test.TestCase):
 
   def test_deterministic_per_seed(self):
