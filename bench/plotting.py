@@ -3,8 +3,9 @@
 Every PNG under `docs/` goes through `figure` and `save`: 150 dpi, legend and
 tick labels of at least 8 pt, titles of at least 9 pt, and each labelled
 series its own marker and line style, so a series drawn over another stays
-visible and the figures read in greyscale too. Legends go below their axes,
-outside the data.
+visible and the figures read in greyscale too. A band of zero height is
+outlined and labelled as such. Legends go below their axes, outside the
+data.
 
 A figure's lines can be stored as JSON (`record`) and drawn again later
 (`draw`), so a style change re-plots a study without re-running it.
@@ -130,10 +131,44 @@ def readable(fig) -> None:
         ax.tick_params(axis=name, labelsize=RC[f"{name}tick.labelsize"])
 
 
+# Appended to the legend label of a band of zero height (`degenerate_spans`).
+ZERO_WIDTH = " (zero width)"
+
+
+def _spans(ax) -> list:
+  """The horizontal bands (`axhspan`) of `ax`."""
+  return [patch for patch in ax.patches
+          if patch.get_data_transform() == ax.get_yaxis_transform() and hasattr(patch, "get_y")]
+
+
+def degenerate_spans(fig) -> None:
+  """Outlines every band of zero height, which would not show otherwise (the
+  spread of runs that all agree), and says so in its legend label.
+
+  The band keeps its fill colour (its legend swatch); its edge is drawn as a
+  dashed line in that colour, opaque, along the band's one value.
+  """
+  for ax in fig.axes:
+    for span in _spans(ax):
+      if span.get_height() != 0:
+        continue
+      face = span.get_facecolor()  # RGBA, the band's alpha applied
+      span.set_alpha(None)
+      span.set_facecolor(face)
+      span.set_edgecolor((*face[:3], 1.0))
+      span.set_linewidth(3.0)  # wider than the reference line often drawn on it
+      span.set_linestyle("--")
+      label = span.get_label()
+      if not label.startswith("_") and ZERO_WIDTH not in label:
+        span.set_label(label + ZERO_WIDTH)
+
+
 def finish(fig) -> None:
-  """Applies the shared series styles, font sizes and legend placement."""
+  """Applies the shared series styles, font sizes, visible zero-width bands
+  and legend placement."""
   distinguish(fig)
   readable(fig)
+  degenerate_spans(fig)
   legends(fig)
 
 
@@ -173,12 +208,10 @@ def record(fig) -> dict:
           "y": _floats(line.get_ydata()), "color": _color(line.get_color()),
           "linestyle": line.get_linestyle(), "marker": line.get_marker(),
           "linewidth": float(line.get_linewidth()), "alpha": line.get_alpha()})
-    spans = []
-    for patch in ax.patches:  # axhspan: a band across the axes
-      if patch.get_data_transform() == ax.get_yaxis_transform() and hasattr(patch, "get_y"):
-        spans.append({"y0": float(patch.get_y()), "y1": float(patch.get_y() + patch.get_height()),
-                      "color": _color(patch.get_facecolor()), "alpha": patch.get_alpha(),
-                      "label": patch.get_label()})
+    spans = [{"y0": float(patch.get_y()), "y1": float(patch.get_y() + patch.get_height()),
+              "color": _color(patch.get_facecolor()), "alpha": patch.get_alpha(),
+              "label": patch.get_label()}
+             for patch in _spans(ax)]  # axhspan: a band across the axes
     axes.append({
         "spans": spans,
         "grid": [int(rows), int(cols), int(start), int(stop)], "title": ax.get_title(),
@@ -249,6 +282,6 @@ def series_styles(fig) -> list[list[tuple[str, str]]]:
   return [[(ln.get_marker(), ln.get_linestyle()) for ln in _series(ax)] for ax in fig.axes]
 
 
-__all__: Sequence[str] = ("DPI", "RC", "STYLES", "draw", "figure", "finish", "pyplot",
-                          "readable", "record", "replot", "save", "save_json",
-                          "series_styles")
+__all__: Sequence[str] = ("DPI", "RC", "STYLES", "ZERO_WIDTH", "degenerate_spans", "draw",
+                          "figure", "finish", "pyplot", "readable", "record", "replot",
+                          "save", "save_json", "series_styles")

@@ -135,6 +135,36 @@ class PlottingTest(absltest.TestCase):
     with Image.open(path) as a, Image.open(again) as b:
       self.assertEqual(a.size, b.size)
 
+  def test_a_band_of_zero_height_is_outlined_and_labelled(self):
+    # e.g. the spread of seeds that all gave the same BLEU
+    fig = plotting.figure((2.0, 1.5))
+    ax = fig.subplots()
+    ax.plot([0, 1], [0, 1], label="ours")
+    ax.axhspan(-0.0, 0.0, color="grey", alpha=0.2, label="spread")
+    ax.axhspan(-1.0, 1.0, color="C2", alpha=0.2, label="band")
+    ax.legend()
+    data = plotting.record(fig)
+    flat, band = ax.patches
+    before = (band.get_linewidth(), band.get_edgecolor(), band.get_facecolor())
+    plotting.finish(fig)
+    plotting.finish(fig)  # labelled once
+    self.assertEqual(ax.get_legend_handles_labels()[1],
+                     ["ours", "spread (zero width)", "band"])
+    self.assertEqual(flat.get_linewidth(), 3.0)
+    self.assertEqual(tuple(flat.get_edgecolor()), (128 / 255,) * 3 + (1.0,))  # grey, opaque
+    self.assertAlmostEqual(flat.get_facecolor()[3], 0.2)  # the swatch keeps its shade
+    # a band with a height: unchanged
+    self.assertEqual((band.get_linewidth(), band.get_edgecolor(), band.get_facecolor()), before)
+    self.assertEqual(band.get_label(), "band")
+    plotting.pyplot().close(fig)
+    # Drawn again from its record: the same.
+    again = plotting.figure((2.0, 1.5))
+    plotting.draw(again, data)
+    plotting.finish(again)
+    self.assertEqual(again.axes[0].get_legend_handles_labels()[1],
+                     ["ours", "spread (zero width)", "band"])
+    plotting.pyplot().close(again)
+
   def test_replot_needs_the_stored_series(self):
     args = argparse.Namespace(out_dir=self.dir, quick=True)
     with self.assertRaisesRegex(FileNotFoundError, r"--replot needs .*study_quick\.json: "
