@@ -47,6 +47,8 @@ _ROW_PATTERN = (rf"[01](?:\t{_INT_PATTERN}){{{NUM_DENSE}}}"
                 rf"(?:\t[^\t]*){{{NUM_SPARSE}}}")
 # Lines per batch of the eager check.
 _CHECK_BATCH = 1 << 16
+# Bytes per read of `count_rows`.
+_COUNT_CHUNK = 1 << 24
 
 
 def vocab_list(vocab_sizes: int | Sequence[int]) -> list[int]:
@@ -141,14 +143,20 @@ def hash_column(values: tf.Tensor, vocab_size: int) -> tf.Tensor:
   return tf.cast(tf.where(tf.equal(values, ""), tf.zeros_like(hashed), hashed), tf.int32)
 
 
-def count_rows(path: str) -> int:
+def count_rows(path: str, at_least: int | None = None) -> int:
   """The rows `tf.data.TextLineDataset(path)` yields: the newlines in the
-  file, plus one for a last line without one. Counts bytes; parses nothing."""
+  file, plus one for a last line without one. Counts bytes; parses nothing.
+
+  With `at_least`, reading stops once that many rows are counted: the result
+  is then a count >= `at_least`, not necessarily the file's total.
+  """
   rows, last = 0, b"\n"
   with open(path, "rb") as f:
-    while chunk := f.read(1 << 24):
+    while chunk := f.read(_COUNT_CHUNK):
       rows += chunk.count(b"\n")
       last = chunk[-1:]
+      if at_least is not None and rows >= at_least:
+        return rows
   return rows + (last != b"\n")
 
 
@@ -176,8 +184,9 @@ def _one_pass(paths: list[str], batch_size: int, sizes: list[int], drop_remainde
               skip_rows: int = 0, rows: list[int] | None = None) -> tf.data.Dataset:
   """One pass over the files' rows, in order, from row `skip_rows` (counting
   across files) on. Files before that row are not opened; in the file that
-  holds it, the lines before it are read and dropped unparsed. `rows`: each
-  file's row count (`count_rows`), if known."""
+  holds it, the lines before it are read and dropped unparsed. `rows`: the
+  files' row counts (`count_rows`) as far as known (for the file that holds
+  the row, any count above it will do)."""
   skips = [0] * len(paths)
   first = 0
   while skip_rows and first < len(paths):
@@ -242,12 +251,13 @@ def tsv_stream(paths: str | Sequence[str], batch_size: int,
   after pass, each pass dropping its last partial batch; from batch `start`
   of that stream on.
 
-  The batches before `start` are not made: with `P` whole batches per pass
-  (the files' lines counted, `count_rows`), the stream opens pass
-  `start // P` at row `(start % P) * batch_size` (`read_tsv`'s
-  `skip_rows`), so no row is parsed twice. Arguments and errors as in
-  `read_tsv`; a ValueError if `start > 0` and the files hold fewer rows than
-  one batch.
+  The batches before `start` are not made: the stream opens at the row of
+  batch `start` (`read_tsv`'s `skip_rows`), so no row is parsed twice. The
+  files' lines are counted (`count_rows`) up to the end of that batch; only
+  when the files end before it are all counted, and with `P` whole batches
+  per pass the stream opens pass `start // P` at row
+  `(start % P) * batch_size`. Arguments and errors as in `read_tsv`; a
+  ValueError if the files hold fewer rows than one batch (`start > 0`).
   """
   order.check_start(start)
   sizes = vocab_list(vocab_sizes)
@@ -255,7 +265,11 @@ def tsv_stream(paths: str | Sequence[str], batch_size: int,
   full = _one_pass(paths, batch_size, sizes, drop_remainder=True).repeat()
   if not start:
     return full
-  rows = [count_rows(p) for p in paths]
+  skip, rows = start * batch_size, []
+  for path in paths:
+    rows.append(count_rows(path, at_least=skip + batch_size - sum(rows)))
+    if sum(rows) >= skip + batch_size:  # batch `start` is whole in the first pass
+      return _one_pass(paths, batch_size, sizes, True, skip, rows).concatenate(full)
   per_pass = sum(rows) // batch_size
   if not per_pass:
     raise ValueError(f"tsv_stream: the files hold {sum(rows)} rows, fewer than one "

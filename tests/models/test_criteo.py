@@ -148,10 +148,11 @@ class ResumeTest(tf.test.TestCase):
   def test_stream_from_a_batch_is_the_uninterrupted_stream(self):
     # 11 + 6 rows in batches of 4: 4 batches a pass (a row dropped each
     # pass). Batch 3 starts a row into the second file (the first is passed
-    # over whole); batch 6 is the second pass's batch 2, 8 rows into it.
+    # over whole); batch 4 is the second pass's first (row 16 of the first
+    # pass is the dropped one); batch 6 the second pass's batch 2.
     paths = self._files()
     full = list(criteo.tsv_stream(paths, 4, 50, eager_check_bytes=0).take(10))
-    for start in (3, 6):
+    for start in (3, 4, 6):
       self._assert_batches_equal(
           list(criteo.tsv_stream(paths, 4, 50, start=start, eager_check_bytes=0).take(10 - start)),
           full[start:])
@@ -192,6 +193,11 @@ class ResumeTest(tf.test.TestCase):
         f.write(text)
       self.assertEqual(criteo.count_rows(path),
                        len(list(tf.data.TextLineDataset(path))), name)
+    # Reading a row at a time, a count of at least 2 stops after 2 of 3 rows.
+    path = os.path.join(d, "plain")
+    with mock.patch.object(criteo, "_COUNT_CHUNK", len(_row())):
+      self.assertEqual(criteo.count_rows(path, at_least=2), 2)
+      self.assertEqual(criteo.count_rows(path), 3)
 
   def test_bad_start_and_skip(self):
     paths = self._files()
