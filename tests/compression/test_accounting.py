@@ -1,6 +1,9 @@
 """Tests for the communication accounting of compressors (exact byte model)."""
 
 
+import itertools
+import math
+
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
@@ -256,6 +259,81 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     stats = compressor.communication_stats()
     self.assertEqual(stats["steps"], [0, 0])
     self.assertEqual(stats["variables"], {})
+
+
+def _distinct_counts(lookups, rows):
+  """(counts, probabilities) of the distinct rows among `lookups` uniform
+  row ids of `rows` rows, by enumerating all rows ** lookups sequences."""
+  counts = [len(set(ids)) for ids in itertools.product(range(rows),
+                                                        repeat=lookups)]
+  values, freq = np.unique(counts, return_counts=True)
+  return values.astype(np.float64), freq / freq.sum()
+
+
+class DistinctRowsTest(tf.test.TestCase, parameterized.TestCase):
+
+  def test_exact_expectation(self):
+    for rows in (1, 2, 3, 4):
+      for lookups in (1, 2, 3, 5):
+        values, p = _distinct_counts(lookups, rows)
+        mean = float(values @ p)
+        std = math.sqrt(float((values - mean) ** 2 @ p))
+        self.assertAllClose(accounting.distinct_rows(lookups, rows), mean,
+                            rtol=1e-12, atol=1e-12)
+        cap = min(lookups, rows)
+        for replicas in (2, 3, 8):
+          got = accounting.distinct_rows(lookups, rows, replicas)
+          # mu + sigma (R - 1) / sqrt(2R - 1), at most min(lookups, rows) ...
+          self.assertAllClose(
+              got, min(cap, mean + std * (replicas - 1)
+                       / math.sqrt(2 * replicas - 1)), rtol=1e-12, atol=1e-12)
+          # ... and no less than the exact expected largest of R counts
+          cdf = np.cumsum(p)
+          largest = float(values @ np.diff(cdf ** replicas, prepend=0.0))
+          self.assertGreaterEqual(got, largest - 1e-12)
+    self.assertEqual(accounting.distinct_rows(0, 7, 4), 0.0)
+    self.assertEqual(accounting.distinct_rows(9, 1, 4), 1.0)
+
+  def test_large_table_keeps_its_digits(self):
+    # 10^5 ids of 10^12 rows: expected duplicates C(n, 2) / V - C(n, 3) / V^2
+    # + ..., variance about C(n, 2) / V (collisions are nearly Poisson).
+    n, v = 10**5, 10**12
+    mean = accounting.distinct_rows(n, v)
+    self.assertAllClose(n - mean, n * (n - 1) / 2 / v
+                        - n * (n - 1) * (n - 2) / 6 / v**2, rtol=1e-6)
+    self.assertEqual(accounting.distinct_rows(n, v, 2), n)  # capped
+    n, v = 10**6, 10**7  # not capped
+    spread = (accounting.distinct_rows(n, v, 2) - accounting.distinct_rows(n, v)) * math.sqrt(3)
+    e1, e2 = math.exp(-n / v), math.exp(-2 * n / v)  # V -> inf at fixed n / V
+    self.assertAllClose(spread, math.sqrt(v * (e1 - (1 + n / v) * e2)),
+                        rtol=1e-4)
+
+  def test_monte_carlo(self):
+    # Uniform ids: the largest of 2 replicas' distinct counts (800 pairs).
+    rng = np.random.default_rng(0)
+    n, v = 1000, 1000
+    counts = np.array([len(np.unique(rng.integers(0, v, n)))
+                       for _ in range(1600)], np.float64).reshape(800, 2)
+    largest = counts.max(1)
+    error = largest.std() / math.sqrt(len(largest))
+    self.assertAllClose(largest.mean(), accounting.distinct_rows(n, v, 2),
+                        atol=4 * error, rtol=0)
+    # Skewed ids (Zipf, exponent 1) repeat rows more: far fewer distinct rows.
+    p = 1 / np.arange(1, v + 1)
+    skewed = [len(np.unique(rng.choice(v, n, p=p / p.sum())))
+              for _ in range(40)]
+    self.assertLess(max(skewed), 0.6 * accounting.distinct_rows(n, v))
+
+  def test_bad_input(self):
+    for args, message in (
+        ((-1, 5), "lookups must be an int >= 0, got -1"),
+        ((2.0, 5), "lookups must be an int >= 0, got 2.0"),
+        ((True, 5), "lookups must be an int >= 0, got True"),
+        ((3, 0), "rows must be an int >= 1, got 0"),
+        ((3, None), "rows must be an int >= 1, got None"),
+        ((3, 5, 0), "replicas must be an int >= 1, got 0")):
+      with self.assertRaisesRegex(ValueError, "distinct_rows: " + message):
+        accounting.distinct_rows(*args)
 
 
 class StockBaselineTest(tf.test.TestCase, parameterized.TestCase):

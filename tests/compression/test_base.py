@@ -9,6 +9,7 @@ import tf_keras
 
 import tf_dct
 from tf_dct import compression
+from tf_dct.compression import accounting
 from tf_dct.compression import sparse_wire
 from tests import util
 from tests.compression import test_sparse_wire
@@ -128,14 +129,17 @@ def _rows_payload(ids, width):
   return 4 + longest * (4 * width + 4) + 4
 
 
-def _sparse_run(compressor, steps=2, jit_compile=False, phases=False):
-  """Feeds both TABLES IndexedSlices gradients; returns per step the
-  per-replica aggregates (dense) and the exact sums, and the tables.
+def _sparse_run(compressor, steps=2, jit_compile=False, phases=False,
+                tables=None):
+  """Feeds the IndexedSlices gradients of `tables` (name: (rows, width,
+  ids per replica); TABLES by default); returns per step the per-replica
+  aggregates (dense) and the exact sums, and the tables.
   `phases`: each step is traced in the compressor's phase of that step."""
+  shapes = TABLES if tables is None else tables
   rng = np.random.default_rng(1)
   feeds = {name: (rng.integers(0, n, size=(steps, REPLICAS, k)).astype(np.int32),
                   rng.normal(size=(steps, REPLICAS, k, w)).astype(np.float32))
-           for name, (n, w, k) in TABLES.items()}
+           for name, (n, w, k) in shapes.items()}
   replicas = 1 if jit_compile else REPLICAS
   repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)],
                            input_replication=tf_dct.PER_REPLICA,
@@ -143,7 +147,7 @@ def _sparse_run(compressor, steps=2, jit_compile=False, phases=False):
   compressor.bind(repl)
   with repl.scope():
     tables = {name: tf.Variable(tf.zeros([n, w]), name=name)
-              for name, (n, w, _) in TABLES.items()}
+              for name, (n, w, _) in shapes.items()}
 
   def input_fn(replica_id):
     return tf.data.Dataset.from_tensor_slices(
@@ -152,8 +156,8 @@ def _sparse_run(compressor, steps=2, jit_compile=False, phases=False):
 
   def step_fn(batch):
     pairs = [(tf.IndexedSlices(batch[name][1], batch[name][0],
-                               tf.constant(list(TABLES[name][:2]))),
-              tables[name]) for name in TABLES]
+                               tf.constant(list(shapes[name][:2]))),
+              tables[name]) for name in shapes]
     return [tf.convert_to_tensor(g) for g, _ in compressor.aggregate(pairs)]
 
   done = [0]  # steps run so far
@@ -167,7 +171,7 @@ def _sparse_run(compressor, steps=2, jit_compile=False, phases=False):
   ids = {name: feed[0] for name, feed in feeds.items()}
   for t in range(steps):
     sums = []
-    for name, (n, w, _) in TABLES.items():
+    for name, (n, w, _) in shapes.items():
       total = np.zeros([n, w], np.float32)
       for r in range(replicas):
         np.add.at(total, feeds[name][0][t, r], feeds[name][1][t, r])
@@ -244,6 +248,48 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     self.assertNotAllClose(out[1][0][1], exact[1][1])
     self.assertGreater(
         np.abs(compressor.state_values(tables["tall"])["residual"]).sum(), 0)
+
+  def test_auto_prices_the_distinct_rows(self):
+    # 32 ids per replica of a 64 x 4 table: as they come, 4 + 32 * 20 = 644
+    # bytes on each other replica, more than DCTDP(0.99)'s 560; after
+    # summing duplicates, an expected 26.4 rows on the larger of 2 replicas,
+    # 4 + 26.4 * 20 + 4 = 536 bytes, fewer.
+    shape, ids = (64, 4), 32
+    compressor = compression.DCTDP(sparsity=0.99)
+    with tf.device("/cpu:0"):
+      table = tf.Variable(tf.zeros(shape))
+    grad = tf.IndexedSlices(tf.zeros([ids, shape[1]]), tf.range(ids),
+                            tf.constant(shape))
+    gather, reduce = compressor.compressed_bytes(table)
+    compressed = (REPLICAS - 1) * gather + reduce  # 2 replicas: ring M
+    self.assertEqual(compressed, 560)
+    rows = accounting.distinct_rows(ids, shape[0], REPLICAS)
+    self.assertAllClose(rows, 26.41, atol=0.01)
+    self.assertGreater(_stock_ring_bytes(ids, shape[1]), compressed)
+    self.assertLess((REPLICAS - 1) * (4 + rows * (4 * shape[1] + 4) + 4),
+                    compressed)
+    self.assertTrue(compressor.stock_is_cheaper(grad, table, REPLICAS))
+    # Without summing duplicates (dedup_rows False) every id is priced.
+    compressor.dedup_rows = False
+    self.assertFalse(compressor.stock_is_cheaper(grad, table, REPLICAS))
+    compressor.dedup_rows = True
+    # Under XLA rows go as they are (static shapes): every id is priced.
+    under_xla = []
+
+    @tf.function(jit_compile=True)
+    def price():
+      under_xla.append(compressor.stock_is_cheaper(grad, table, REPLICAS))
+      return tf.zeros([])
+
+    price()
+    self.assertEqual(under_xla, [False])
+    # In a step "auto" sends the table as rows: the exact sums.
+    compressor = compression.DCTDP(sparsity=0.99)
+    out, exact, tables, _ = _sparse_run(compressor, steps=1,
+                                        tables={"mid": shape + (ids,)})
+    self.assertTrue(compressor.sends_as_is(tables["mid"]))
+    for r in range(REPLICAS):
+      self.assertAllClose(out[0][r][0], exact[0][0], atol=1e-6, rtol=0)
 
   def test_auto_compresses_under_xla(self):
     # TF's all-gather of IndexedSlices has no XLA kernel.

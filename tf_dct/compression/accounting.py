@@ -20,12 +20,15 @@ do not wait for each other (0 under XLA). docs/compression.md
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Mapping
 
 import numpy as np
 import tensorflow as tf
 
 from tf_dct import _private
+from tf_dct import validation
 
 # Additive per-step fields, in the order of the stored vectors.
 FIELDS = ("payload_bytes", "bytes_sent", "bytes_received", "dense_bytes",
@@ -95,6 +98,63 @@ def indexed_slices_payload(rows, row_bytes: int, index_bytes: int,
   if tf.is_tensor(rows):
     rows = tf.cast(rows, tf.float64)
   return LENGTH_BYTES + rows * (row_bytes + index_bytes)
+
+
+def distinct_rows(lookups: int, rows: int, replicas: int = 1) -> float:
+  """Rows an all-gather of IndexedSlices carries per replica once each
+  replica's duplicate rows are summed, estimated before any step runs.
+
+  Each replica's `lookups` row ids are taken as independent uniform draws
+  from a table of `rows` rows. Its distinct count D then has mean
+  mu = rows (1 - (1 - 1/rows)^lookups) and the variance of the classical
+  occupancy problem (empty rows E = rows - D, P(a row empty) =
+  (1 - 1/rows)^lookups, P(two given rows empty) = (1 - 2/rows)^lookups).
+  TensorFlow pads every replica's rows to the largest count, so for
+  `replicas` > 1 this is the Hartley-David-Gumbel bound on the expected
+  largest of `replicas` independent counts, mu + sigma (R - 1) / sqrt(2R - 1),
+  which holds for any distribution of D. Never more than `lookups` or `rows`.
+
+  Uniform draws give the most distinct rows in expectation: with row
+  probabilities p_i the mean is sum_i 1 - (1 - p_i)^lookups, a sum of
+  concave terms, largest at p_i = 1/rows. Skewed ids (a few frequent rows)
+  only add duplicates. Ids drawn without replacement (each at most once per
+  batch) are not covered: they give up to `lookups` distinct rows.
+
+  Args:
+    lookups: row ids of one replica's gradient (int >= 0).
+    rows: rows of the table (int >= 1).
+    replicas: replicas padded to the largest count (int >= 1).
+
+  Returns:
+    The estimate, a float in [0, min(lookups, rows)].
+
+  Example:
+    >>> distinct_rows(2, 2)  # ids (0, 0), (0, 1), (1, 0), (1, 1)
+    1.5
+    >>> round(distinct_rows(3328, 26000), 1)  # 128 examples x 26 features
+    3123.9
+    >>> round(distinct_rows(3328, 26000, replicas=2), 1)
+    3131.4
+  """
+  n = validation.check_number("distinct_rows", "lookups", lookups,
+                              numbers.Integral, 0, False)
+  v = validation.check_number("distinct_rows", "rows", rows, numbers.Integral,
+                              1, False)
+  r = validation.check_number("distinct_rows", "replicas", replicas,
+                              numbers.Integral, 1, False)
+  if n == 0 or v == 1:
+    return float(min(n, v))
+  empty = math.exp(n * math.log1p(-1 / v))  # P(a given row is not drawn)
+  mean = -v * math.expm1(n * math.log1p(-1 / v))
+  if v == 2:  # both rows empty: impossible
+    variance = v * empty - v * v * empty * empty
+  else:  # v e + v (v - 1) e2 - (v e)^2 with e2 = P(two given rows empty),
+    # as v (e - e2) + v^2 (e2 - e^2) in ratios of e that keep their digits
+    variance = (-v * empty * math.expm1(n * math.log1p(-1 / (v - 1)))
+                + v * v * empty * empty
+                * math.expm1(n * math.log1p(-1 / (v - 1) ** 2)))
+  spread = math.sqrt(max(variance, 0.0)) * (r - 1) / math.sqrt(2 * r - 1)
+  return min(mean + spread, float(min(n, v)))
 
 
 @dataclasses.dataclass

@@ -186,7 +186,8 @@ class Compressor(tf.Module):
       replica's duplicate rows summed first, `dedup_rows`). "compress":
       by the compressor, with a table-sized residual. "auto" (default): as
       "stock" where that moves no more bytes than the compressor would
-      (`stock_is_cheaper`), else compressed. The choice is made at a
+      (`stock_is_cheaper`: the distinct rows estimated from static shapes,
+      `accounting.distinct_rows`), else compressed. The choice is made at a
       variable's first gradient and kept (`sends_as_is`); under XLA "auto"
       compresses (TF's sparse all-gather has no XLA kernel). The state
       `create_states` made for a variable sent as it is stays unused (zeros;
@@ -926,15 +927,25 @@ class Compressor(tf.Module):
     replica than this compressor's exchange of `variable` would
     (`compressed_bytes`, ring model of `accounting`; "auto" asks with at
     least 2 replicas, as with one nothing moves). False when either is
-    unknown statically (the row count, or the compressor's bytes)."""
+    unknown statically (the row count, or the compressor's bytes).
+
+    The rows are priced as `reduce_as_is` sends them. With `dedup_rows`
+    outside XLA: `accounting.distinct_rows` of the gradient's row ids in the
+    table's rows (the largest replica's expected distinct rows, as TF pads
+    to it) plus the row count's all-gather; otherwise every row id, the
+    duplicates included."""
     variable = self._tf_variable(variable)
     rows = grad.indices.shape.num_elements()
     compressed = self._exchange_cost(variable, num_replicas)
     if rows is None or compressed is None:
       return False
     width = variable.shape[1:].num_elements()
+    extra = 0
+    if self.dedup_rows and not _private.in_xla_context():
+      rows = accounting.distinct_rows(rows, variable.shape[0], num_replicas)
+      extra = ROW_COUNT_BYTES
     stock = accounting.all_gather_bytes(accounting.indexed_slices_payload(
-        rows, width * grad.values.dtype.size, grad.indices.dtype.size),
+        rows, width * grad.values.dtype.size, grad.indices.dtype.size) + extra,
         num_replicas)
     return stock <= compressed
 
