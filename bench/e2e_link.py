@@ -181,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--compression_warmup", type=int, default=0,
                  help="first steps every compressor aggregates densely (their "
                  "warmup_steps), in [0, steps]; default 0")
+  p.add_argument("--sparsity_schedule", default=None,
+                 help="DCT-DP sparsity stages after the warm-up, comma list of "
+                 "steps:sparsity (steps >= 1, sparsity in (0, 1)) as the launcher's "
+                 "--sparsity_schedule; 'none' for none; default: the launcher's")
+  p.add_argument("--compressor_options", default="{}",
+                 help="JSON object of extra keyword arguments for the compressor of "
+                 "every compressing configuration, e.g. '{\"adam_select\": \"raw\"}'; "
+                 "default none")
   p.add_argument("--seed", type=int, default=0, help="model and data seed, >= 0")
   p.add_argument("--gso", action="store_true",
                  help="keep GSO on the veth (default off: MTU-sized frames, so the "
@@ -244,6 +252,23 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
   check_int("compression_warmup", 0, args.steps)
   if args.min_count is not None:
     check_int("min_count", 0, 10**9)
+  try:
+    options = json.loads(args.compressor_options)
+  except ValueError:
+    options = None
+  if not isinstance(options, dict):
+    raise FlagError(f"--compressor_options must be a JSON object, got "
+                    f"{args.compressor_options!r}")
+  if args.sparsity_schedule not in (None, "none"):
+    for item in args.sparsity_schedule.split(","):
+      steps, _, sparsity = item.partition(":")
+      try:
+        ok = int(steps) >= 1 and 0 < float(sparsity) < 1
+      except ValueError:
+        ok = False
+      if not ok:
+        raise FlagError(f"--sparsity_schedule: each item must be steps:sparsity with "
+                        f"steps >= 1 and sparsity in (0, 1), or 'none'; got {item!r}")
   check_int("seed", 0, 2**31 - 1)
   check_int("nice", 0, 19)
   check_int("port", 1024, 65535 - args.workers * len(args.config_list))
@@ -591,8 +616,11 @@ def worker_argv(args: argparse.Namespace, config: str, handshake_dir: str) -> li
           f"--sparsity={args.sparsity}", f"--threshold_life={args.threshold_life}",
           f"--mp_sparsity={args.mp_sparsity}", f"--density={args.density}",
           f"--compression_warmup={args.compression_warmup}",
-          f"--seed={args.seed}", f"--timeout={args.timeout}"] + (
-              [] if args.min_count is None else [f"--min_count={args.min_count}"])
+          f"--seed={args.seed}", f"--timeout={args.timeout}",
+          f"--compressor_options={args.compressor_options}"] + (
+              [] if args.min_count is None else [f"--min_count={args.min_count}"]) + (
+              [] if args.sparsity_schedule is None
+              else [f"--sparsity_schedule={args.sparsity_schedule}"])
 
 
 def run_config(testbed: Testbed, args: argparse.Namespace, config: str, port: int,

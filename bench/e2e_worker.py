@@ -91,6 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="dense steps at the start (the compressor's warmup_steps)")
   p.add_argument("--min_count", type=int, default=None,
                  help="the compressors' min_count (default: theirs)")
+  p.add_argument("--sparsity_schedule", default=None,
+                 help="DCT-DP's stages, steps:sparsity comma list, or 'none' "
+                 "(default: the launcher's)")
+  p.add_argument("--compressor_options", default="{}",
+                 help="JSON object of extra keyword arguments for the compressor "
+                 "of every compressing configuration (e.g. {\"adam_select\": \"raw\"})")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--timeout", type=float, default=3600.0,
                  help="seconds to wait for the driver at a handshake")
@@ -114,6 +120,9 @@ def launcher_config(args: argparse.Namespace) -> dict:
       compression_exclude=["embeddings"] if args.config == "dctdp_fc" else [])
   if args.min_count is not None and flags["compression"] in train.SPARSIFIERS:
     flags["min_count"] = args.min_count
+  if args.sparsity_schedule is not None and flags["compression"] == "dct":
+    flags["sparsity_schedule"] = ([] if args.sparsity_schedule == "none"
+                                  else args.sparsity_schedule.split(","))
   return train.resolve(config, flags)
 
 
@@ -187,12 +196,16 @@ class TimedJob(train.Job):
     super()._after_step(loss, train_metrics, evaluate)
 
 
-def recording(cls: type, types: dict[str, str]) -> type:
+def recording(cls: type, types: dict[str, str], options: dict | None = None) -> type:
   """`cls` (a `tf_dct.compression.Compressor` class) whose `aggregate` also
   records {variable name: type of its gradient} into `types` when the step is
-  traced (e.g. the embedding table's: IndexedSlices or Tensor)."""
+  traced (e.g. the embedding table's: IndexedSlices or Tensor), built with
+  the keyword arguments `options` on top of the launcher's."""
 
   class Recording(cls):
+
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **{**kwargs, **(options or {})})
 
     def aggregate(self, grads_and_vars):
       grads_and_vars = list(grads_and_vars)
@@ -204,13 +217,17 @@ def recording(cls: type, types: dict[str, str]) -> type:
   return Recording
 
 
-def make_compressor(config: str, cfg: dict, types: dict[str, str]):
+def make_compressor(config: str, cfg: dict, types: dict[str, str],
+                    options: dict | None = None):
   """The compressor of bench config `config` (launcher settings `cfg`), as
   the launcher builds it, recording gradient types into `types`: "dense"
-  uses the densifying Dense (see the module docstring)."""
+  uses the densifying Dense (see the module docstring). `options`: extra
+  keyword arguments of a compressing configuration's compressor."""
   cls = (DensifiedDense if config == "dense" else
          getattr(tf_dct.compression, train.COMPRESSOR_CLASSES[cfg["compression"]]))
-  return train.make_compressor(cfg, cls=recording(cls, types))
+  if cfg["compression"] == "none":
+    options = None
+  return train.make_compressor(cfg, cls=recording(cls, types, options))
 
 
 def main(argv=None) -> None:
@@ -222,7 +239,8 @@ def main(argv=None) -> None:
   handshake = Handshake(args.handshake_dir, index, args.timeout)
   grad_types: dict[str, str] = {}
   job = TimedJob(cfg, handshake, args.warmup_steps,
-                 compressor=make_compressor(args.config, cfg, grad_types))
+                 compressor=make_compressor(args.config, cfg, grad_types,
+                                            json.loads(args.compressor_options)))
   job.setup()
   table = job.model.get_layer("embeddings").embeddings
   summary = job.run()

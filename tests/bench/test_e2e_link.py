@@ -131,6 +131,11 @@ def make_testbed(runner=None, stubborn=False, num_workers=2):
     (["--compression_warmup=-1"], "--compression_warmup"),
     (["--min_count=-1"], "--min_count"),
     (["--steps=10", "--compression_warmup=11"], "--compression_warmup"),
+    (["--sparsity_schedule=10:1"], "--sparsity_schedule"),
+    (["--sparsity_schedule=0:0.9"], "--sparsity_schedule"),
+    (["--sparsity_schedule=10"], "--sparsity_schedule"),
+    (["--compressor_options=[1]"], "--compressor_options"),
+    (["--compressor_options={"], "--compressor_options"),
     (["--seed=-1"], "--seed"),
     (["--nice=20"], "--nice"),
     (["--port=80"], "--port"),
@@ -194,6 +199,18 @@ def test_worker_passes_min_count_to_compressing_configs_only():
     assert cfg.get("min_count") == want, (flags, config)
 
 
+def test_worker_passes_the_sparsity_schedule_to_dct_only():
+  from bench import e2e_worker  # pylint: disable=g-import-not-at-top
+  for flags, config, want in (([], "dctdp", ()),
+                              (["--sparsity_schedule=10:0.9,5:0.97"], "dctdp",
+                               ((10, 0.9), (5, 0.97))),
+                              (["--sparsity_schedule=none"], "dctdp", ()),
+                              (["--sparsity_schedule=10:0.9"], "topk", ())):
+    argv = e2e_link.worker_argv(e2e_link.parse_args(flags), config, "/x")
+    cfg = e2e_worker.launcher_config(e2e_worker.parse_args(argv))
+    assert tuple(cfg.get("sparsity_schedule") or ()) == want, (flags, config)
+
+
 def test_worker_compressors_record_gradient_types_through_a_subclass():
   from tests import util  # pylint: disable=g-import-not-at-top
   util.setup_cpus()  # the first op of a process fixes its devices for every module
@@ -211,6 +228,8 @@ def test_worker_compressors_record_gradient_types_through_a_subclass():
     assert isinstance(compressor, base), (config, type(compressor).__mro__)
     if config == "dctdp":
       assert compressor.sparsity == cfg["sparsity"]
+      with_options = e2e_worker.make_compressor(config, cfg, {}, {"min_count": 3})
+      assert (compressor.min_count, with_options.min_count) == (64, 3)
     rows = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([1]), tf.constant([4, 2]))
     repl = tf_dct.Replicator(["/cpu:0"])
     with repl.scope():

@@ -486,7 +486,9 @@ def main() -> None:
         record["wrap"] = str(e)
       record["left_unwrapped"] = not hasattr(opt, "_tf_dct_compressor")
       same = tf_keras.optimizers.SGD(0.1)
-      repl4.wrap_optimizer(same, compression=compression.DCTDP(sparsity=0.9))
+      # A tuple-valued setting comes back from JSON as a list: still alike.
+      repl4.wrap_optimizer(same, compression=compression.DCTDP(
+          sparsity=0.9, sparsity_schedule=((5, 0.5),)))
       record["same_wrapped"] = hasattr(same, "_tf_dct_compressor")
     return record
 

@@ -387,6 +387,8 @@ class MultiWorkerReplicator(ReplicatorMixin,
             f"read worker {w}'s {topic} settings: the coordination service "
             "(hosted by worker 0) is unreachable; did worker 0 exit or die?",
             timeout, e) from e
+    # Compare what was sent, not `config`: JSON turns tuples into lists.
+    config = json.loads(mine)
     differ = sorted({k for c in theirs.values() for k in set(c) | set(config)
                      if any(c.get(k) != config.get(k) for c in theirs.values())})
     if differ:
