@@ -46,7 +46,10 @@ Prints:
     (tf_dct.compression.native); `--compressors='DCTDP(L=1000,stock)'` adds the
     same compressor on stock TensorFlow ops, for an A/B in one run, and
     `--compressors='DCTDP(L=1000,warmup phase)'` DCT-DP in its dense warm-up
-    phase (each phase is its own traced step).
+    phase (each phase is its own traced step). `DCTDP(L=1000,band=1.25)`
+    and the `gain=` names run DCT-DP with a density band of (0.5, 1.25)
+    and/or `threshold_gain`; the run prints each one's payload ratio and
+    share of recomputed thresholds beside the default's.
 
 Usage:
   python bench/compression.py            # full
@@ -103,7 +106,12 @@ NAMES = ["Dense", "DCTDP(L=1000)", "DCTDP(L=1000,cf=1)", "DCTDP(L=1000,min=1024)
 # stock TensorFlow ops instead of the native kernels, for an A/B in one run;
 # DCT-DP held in its dense warm-up phase (a warm-up longer than any run),
 # the step time of that phase beside Dense and the compressed phase.
-EXTRA = ["DCTDP(L=1000,stock)", "DCTDP(L=1000,warmup phase)"]
+# DCT-DP with the density guard's band narrowed from the default (0.5, 2) to
+# (0.5, 1.25), and with `threshold_gain` (either band): bytes and how often
+# tau is recomputed (the printed share) against the default.
+EXTRA = ["DCTDP(L=1000,stock)", "DCTDP(L=1000,warmup phase)",
+         "DCTDP(L=1000,band=1.25)", "DCTDP(L=1000,gain=0.5)",
+         "DCTDP(L=1000,band=1.25,gain=0.1)", "DCTDP(L=1000,band=1.25,gain=0.5)"]
 
 flags.register_validator(
     "batch_size", lambda b: b % NUM_CPUS == 0,
@@ -141,6 +149,16 @@ def make_compressor(name, lam):
               0.99, threshold_life=1000, native=False),
           "DCTDP(L=1000,warmup phase)": lambda: compression.DCTDP(
               0.99, threshold_life=1000, warmup_steps=10**9),
+          "DCTDP(L=1000,band=1.25)": lambda: compression.DCTDP(
+              0.99, threshold_life=1000, density_band=(0.5, 1.25)),
+          "DCTDP(L=1000,gain=0.5)": lambda: compression.DCTDP(
+              0.99, threshold_life=1000, threshold_gain=0.5),
+          "DCTDP(L=1000,band=1.25,gain=0.1)": lambda: compression.DCTDP(
+              0.99, threshold_life=1000, density_band=(0.5, 1.25),
+              threshold_gain=0.1),
+          "DCTDP(L=1000,band=1.25,gain=0.5)": lambda: compression.DCTDP(
+              0.99, threshold_life=1000, density_band=(0.5, 1.25),
+              threshold_gain=0.5),
           # capacity_factor=1: wire slots = k exactly; what a reused tau
           # selects beyond k stays in the residual (counted as overflow).
           "DCTDP(L=1000,cf=1)": lambda: compression.DCTDP(

@@ -626,7 +626,8 @@ class DensityGuardTest(tf.test.TestCase, parameterized.TestCase):
     rng = np.random.default_rng(11)
     grads = [[[rng.normal(size=n).astype(np.float32)]] for _ in range(steps)]
     selected = {}
-    for name, band in (("literal", None), ("default", (0.5, 2.0))):
+    for name, band in (("literal", None), ("default", (0.5, 2.0)),
+                       ("tight", (0.5, 1.25))):
       compressor = DCTDP(sparsity, threshold_life=1000, density_band=band,
                          min_count=0)  # K = k, no floor
       *_, history = harness.run(compressor, grads, 1, shapes=[(n,)])
@@ -635,7 +636,12 @@ class DensityGuardTest(tf.test.TestCase, parameterized.TestCase):
     late = slice(steps // 2, steps)
     self.assertGreater(selected["literal"][late].mean(), 2 * k)  # about 2.5 K
     self.assertTrue(np.all(selected["default"][late] >= k // 2), selected["default"])
-    self.assertTrue(np.all(selected["default"][late] <= 2 * k), selected["default"])
+    self.assertTrue(np.all(selected["default"] <= 2 * k), selected["default"])
+    # The default lets the reused tau select more than 1.25 K on some steps;
+    # a (0.5, 1.25) band never does.
+    self.assertGreater(selected["default"].max(), 1.25 * k)
+    self.assertTrue(np.all(selected["tight"] >= k // 2), selected["tight"])
+    self.assertTrue(np.all(selected["tight"] <= 1.25 * k), selected["tight"])
     self.assertEqual(DCTDP().density_band, (0.5, 2.0))
 
   def test_bad_band_and_encoding(self):
