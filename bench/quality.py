@@ -90,13 +90,14 @@ DOC_END = "<!-- end of results -->"
 
 # Compressor specs: name -> (launcher --compression value, constructor kwargs).
 # "paper": the published algorithms (no per-variable floor on the entries
-# sent, no momentum or Adam correction, every variable compressed). A new
-# option is one more line here.
+# sent, no momentum or Adam correction, every variable compressed; for DCT-DP
+# no density guard either, so a threshold lives its full L steps as in
+# Algorithm 1). A new option is one more line here.
 PAPER = {"min_count": 0, "momentum": 0.0, "adam": False, "dense_gradients": "compress"}
 COMPRESSORS: dict[str, tuple[str, dict]] = {
     "dense": ("none", {}),
     "dct": ("dct", {}),
-    "dct_paper": ("dct", PAPER),
+    "dct_paper": ("dct", {**PAPER, "density_band": None}),
     "topk": ("topk", {}),
     "topk_paper": ("topk", PAPER),
     "deft": ("deft", {}),

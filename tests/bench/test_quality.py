@@ -286,7 +286,10 @@ class FlagsTest(parameterized.TestCase):
 
   def test_paper_specs_and_extra_keywords(self):
     self.assertEqual(quality.parse_compressor("dct_paper+sparsity=0.9"),
-                     ("dct", {**quality.PAPER, "sparsity": 0.9}))
+                     ("dct", {**quality.PAPER, "density_band": None, "sparsity": 0.9}))
+    comp, _, notes = quality.build_compressor("dct_paper")  # Algorithm 1: no guard
+    self.assertEqual((type(comp).__name__, comp.density_band, comp.min_count, notes),
+                     ("DCTDP", None, 0, []))
     comp, compression, notes = quality.build_compressor("topk+density=0.05")
     self.assertEqual((type(comp).__name__, compression, comp.density), ("TopK", "topk", 0.05))
     self.assertEqual(notes, [])
