@@ -97,7 +97,8 @@ class InputResumeTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_resume_restores_the_input_position(self):
     model_dir = self.create_tempdir().full_path
-    cfg = dict(model="mlp", compression="none", steps=5, log_every=5, model_dir=model_dir)
+    cfg = dict(model="mlp", compression="none", steps=5, log_every=5, model_dir=model_dir,
+               **TWO_REPLICAS)
     train.train(_cfg(**cfg))
     names = [n for n, _ in tf.train.list_variables(tf.train.latest_checkpoint(model_dir))]
     self.assertIn("input_batch_32/.ATTRIBUTES/ITERATOR_STATE", names)
@@ -122,7 +123,7 @@ class InputResumeTest(tf.test.TestCase, parameterized.TestCase):
     # uninterrupted stream, made directly (no iterator state in the
     # checkpoint, no skipped batches).
     model_dir = self.create_tempdir().full_path
-    cfg = _cfg(model=model, compression="none", model_dir=model_dir)
+    cfg = _cfg(model=model, compression="none", model_dir=model_dir, **TWO_REPLICAS)
     job = train.Job(cfg).setup()
     job.step.assign(5)
     job.manager.save(checkpoint_number=5)
@@ -142,14 +143,15 @@ class InputResumeTest(tf.test.TestCase, parameterized.TestCase):
         tf.nest.map_structure(self.assertAllEqual, g, w)
     if model == "lstm_lm":
       # Another batch size: the batches of that size from the step on.
-      other = _cfg(model=model, compression="none", model_dir=model_dir, batch_size=16)
+      other = _cfg(model=model, compression="none", model_dir=model_dir, batch_size=16,
+                   **TWO_REPLICAS)
       got = next(iter(train.Job(other).setup()._dataset(16)))  # pylint: disable=protected-access
       tf.nest.map_structure(self.assertAllEqual, got, list(spec.dataset(other).take(6))[5])
 
   def test_fit_resume_starts_the_input_at_the_step(self):
     model_dir = self.create_tempdir().full_path
     cfg = dict(model="mlp", compression="none", loop="fit", steps=4, log_every=1,
-               model_dir=model_dir)
+               model_dir=model_dir, **TWO_REPLICAS)
     spec = registry.get("mlp")
     starts = []
     dataset_fn = spec.dataset_fn
