@@ -53,7 +53,8 @@ class TrainTest(tf.test.TestCase):
 
   def test_local_config_learns_and_resumes(self):
     model_dir = self.create_tempdir().full_path
-    cfg = dict(model="mlp", compression="none", steps=40, log_every=20, model_dir=model_dir)
+    cfg = dict(model="mlp", compression="none", steps=40, log_every=20, model_dir=model_dir,
+               **TWO_REPLICAS)
     first = train.train(_cfg(**cfg))
     self.assertEqual(first["steps"], 40)
     self.assertLess(first["final_loss"], 0.6 * first["first_loss"])
@@ -65,10 +66,11 @@ class TrainTest(tf.test.TestCase):
     # Others are refused before anything is built, each named (old -> new).
     with self.assertRaisesRegex(train.FlagError, (
         rf"^--model_dir {re.escape(model_dir)} holds a run with other settings "
-        r"\(--num_replicas 4 -> 2, --optimizer 'sgd' -> 'adam', --compression 'none' -> "
+        r"\(--num_replicas 2 -> 4, --optimizer 'sgd' -> 'adam', --compression 'none' -> "
         r"'dct', --compression_exclude '' -> 'bias', --adam_correction False -> True\); "
         r"resume it with the same flags, or use a new --model_dir$")):
-      train.Job(_cfg(**dict(cfg, num_replicas=2, optimizer="adam", compression="dct",
+      train.Job(_cfg(**dict(cfg, num_replicas=4, num_devices_per_replica=1, optimizer="adam",
+                            compression="dct",
                             compression_exclude=["bias"]))).setup()
     settings = os.path.join(model_dir, "settings.json")
     with open(settings, encoding="utf-8") as f:
