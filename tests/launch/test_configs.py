@@ -196,7 +196,9 @@ class SavedConfigTest(tf.test.TestCase):
 
   def test_config_saved_eval_mode_and_train_mode(self):
     model_dir = self.create_tempdir().full_path
+    # 2 replicas x 2 devices: half the replica graphs of the default 4 x 1 to trace.
     args = ("--model=mlp", "--config=local", "--config.model.hidden=(16, 8)",
+            "--num_replicas=2", "--num_devices_per_replica=2",
             "--compression=none", "--steps=4", "--log_every=4", f"--model_dir={model_dir}")
     cfg = _resolved(*args)
     with contextlib.redirect_stdout(io.StringIO()):

@@ -54,7 +54,8 @@ class TrainTest(tf.test.TestCase):
 
   def test_local_config_learns_and_resumes(self):
     model_dir = self.create_tempdir().full_path
-    cfg = dict(model="mlp", compression="none", steps=40, log_every=20, model_dir=model_dir)
+    cfg = dict(model="mlp", compression="none", steps=40, log_every=20, model_dir=model_dir,
+               **TWO_REPLICAS)
     first = train.train(_cfg(**cfg))
     self.assertEqual(first["steps"], 40)
     self.assertLess(first["final_loss"], 0.6 * first["first_loss"])
@@ -66,10 +67,11 @@ class TrainTest(tf.test.TestCase):
     # Others are refused before anything is built, each named (old -> new).
     with self.assertRaisesRegex(train.FlagError, (
         rf"^--model_dir {re.escape(model_dir)} holds a run with other settings "
-        r"\(--num_replicas 4 -> 2, --optimizer 'sgd' -> 'adam', --compression 'none' -> "
+        r"\(--num_replicas 2 -> 4, --optimizer 'sgd' -> 'adam', --compression 'none' -> "
         r"'dct', --compression_exclude '' -> 'bias', --adam_correction False -> True\); "
         r"resume it with the same flags, or use a new --model_dir$")):
-      train.Job(_cfg(**dict(cfg, num_replicas=2, optimizer="adam", compression="dct",
+      train.Job(_cfg(**dict(cfg, num_replicas=4, num_devices_per_replica=1, optimizer="adam",
+                            compression="dct",
                             compression_exclude=["bias"]))).setup()
     settings = os.path.join(model_dir, "settings.json")
     with open(settings, encoding="utf-8") as f:
@@ -98,7 +100,8 @@ class InputResumeTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_resume_restores_the_input_position(self):
     model_dir = self.create_tempdir().full_path
-    cfg = dict(model="mlp", compression="none", steps=5, log_every=5, model_dir=model_dir)
+    cfg = dict(model="mlp", compression="none", steps=5, log_every=5, model_dir=model_dir,
+               **TWO_REPLICAS)
     train.train(_cfg(**cfg))
     names = [n for n, _ in tf.train.list_variables(tf.train.latest_checkpoint(model_dir))]
     self.assertIn("input_batch_32/.ATTRIBUTES/ITERATOR_STATE", names)
@@ -124,7 +127,7 @@ class InputResumeTest(tf.test.TestCase, parameterized.TestCase):
     # checkpoint, no skipped batches).
     model, _, data = case.partition(":")
     model_dir = self.create_tempdir().full_path
-    flags_ = dict(model=model, compression="none", model_dir=model_dir)
+    flags_ = dict(model=model, compression="none", model_dir=model_dir, **TWO_REPLICAS)
     if data:
       # Real Criteo files: 6 batches of 64 a pass and 10 rows dropped, so
       # batch 5 ends the first pass and batch 6 opens the second. Row r:
@@ -154,14 +157,15 @@ class InputResumeTest(tf.test.TestCase, parameterized.TestCase):
         tf.nest.map_structure(self.assertAllEqual, g, w)
     if model == "lstm_lm":
       # Another batch size: the batches of that size from the step on.
-      other = _cfg(model=model, compression="none", model_dir=model_dir, batch_size=16)
+      other = _cfg(model=model, compression="none", model_dir=model_dir, batch_size=16,
+                   **TWO_REPLICAS)
       got = next(iter(train.Job(other).setup()._dataset(16)))  # pylint: disable=protected-access
       tf.nest.map_structure(self.assertAllEqual, got, list(spec.dataset(other).take(6))[5])
 
   def test_fit_resume_starts_the_input_at_the_step(self):
     model_dir = self.create_tempdir().full_path
     cfg = dict(model="mlp", compression="none", loop="fit", steps=4, log_every=1,
-               model_dir=model_dir)
+               model_dir=model_dir, **TWO_REPLICAS)
     spec = registry.get("mlp")
     starts = []
     dataset_fn = spec.dataset_fn

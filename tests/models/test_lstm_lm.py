@@ -61,7 +61,11 @@ class DataTest(tf.test.TestCase):
 class TrainTest(tf.test.TestCase):
 
   def test_trains_under_replicator(self):
-    repl = tf_dct.Replicator()
+    # 2 data-parallel replicas over the 4 logical CPUs (the second device of
+    # each idles): half the replica graphs of the default 4 x 1 to trace, the
+    # same global batch.
+    repl = tf_dct.Replicator(num_devices_per_replica=2)
+    self.assertEqual(repl.num_replicas, 2)
     global_batch = 32
     with repl.scope():
       model = lstm_lm.build_model(seed=0, **lstm_lm.TINY_CONFIG)

@@ -33,10 +33,14 @@ class ModelTest(tf.test.TestCase):
 
   @pytest.mark.slow(seconds=12)
   def test_trains_under_replicator(self):
-    repl = tf_dct.Replicator()
+    # 2 data-parallel replicas over the 4 logical CPUs (the second device of
+    # each idles): half the replica graphs of the default 4 x 1 to trace, the
+    # same global batch.
+    repl = tf_dct.Replicator(num_devices_per_replica=2)
+    self.assertEqual(repl.num_replicas, 2)
     global_batch = 32
     with repl.scope():
-      # Two stages keep the 4-replica trace short.
+      # Two stages keep the trace short.
       model = resnet.build_model(seed=0, widths=(8, 16), blocks_per_stage=1)
       optimizer = repl.wrap_optimizer(tf_keras.optimizers.Adam(1e-2))
       optimizer.build(model.trainable_variables)  # slots first: the step traces once
