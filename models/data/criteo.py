@@ -160,12 +160,6 @@ def count_rows(path: str, at_least: int | None = None) -> int:
   return rows + (last != b"\n")
 
 
-def _check_count(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-    raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-  return value
-
-
 def _checked_paths(paths, eager_check_bytes: int) -> list[str]:
   """The paths as a list; each exists, and those up to `eager_check_bytes`
   hold only well-formed rows (`check_file`)."""
@@ -238,7 +232,7 @@ def read_tsv(paths: str | Sequence[str], batch_size: int,
     DataError: a checked file has a malformed row (a bigger file fails
       in the graph as it is read, with the same message after `MALFORMED`).
   """
-  _check_count("skip_rows", skip_rows)
+  order.check_count("skip_rows", skip_rows)
   sizes = vocab_list(vocab_sizes)
   paths = _checked_paths(paths, eager_check_bytes)
   return _one_pass(paths, batch_size, sizes, drop_remainder, skip_rows)

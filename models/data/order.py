@@ -20,11 +20,15 @@ import tensorflow as tf
 ENDLESS = 1 << 62
 
 
+def check_count(name: str, value) -> None:
+  """Raises ValueError naming `name` unless `value` is an int >= 0."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
 def check_start(start) -> None:
   """Raises ValueError unless `start` (the first batch's index) is an int >= 0."""
-  if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-    raise ValueError(f"start (the index of the first batch) must be an int >= 0, "
-                     f"got {start!r}")
+  check_count("start (the index of the first batch)", start)
 
 
 def batch_positions(start: int, batch_size: int) -> tf.data.Dataset:
