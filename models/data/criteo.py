@@ -150,6 +150,8 @@ def count_rows(path: str, at_least: int | None = None) -> int:
   With `at_least`, reading stops once that many rows are counted: the result
   is then a count >= `at_least`, not necessarily the file's total.
   """
+  if at_least is not None:
+    order.check_count("at_least", at_least)
   rows, last = 0, b"\n"
   with open(path, "rb") as f:
     while chunk := f.read(_COUNT_CHUNK):

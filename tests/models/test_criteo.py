@@ -203,6 +203,8 @@ class ResumeTest(tf.test.TestCase):
     paths = self._files()
     with self.assertRaisesRegex(ValueError, r"skip_rows must be an int >= 0, got -1"):
       criteo.read_tsv(paths, 4, skip_rows=-1)
+    with self.assertRaisesRegex(ValueError, r"at_least must be an int >= 0, got -1"):
+      criteo.count_rows(paths[0], at_least=-1)
     with self.assertRaisesRegex(ValueError, r"start \(the index of the first batch\) must "
                                 r"be an int >= 0, got 1.5"):
       criteo.tsv_stream(paths, 4, start=1.5)
