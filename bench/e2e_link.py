@@ -72,14 +72,20 @@ import time
 from typing import Callable, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script: the repository root is not on it
+  sys.path.insert(0, REPO_ROOT)
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from launch.flag_checks import check_range  # TensorFlow-free, as this driver is
+from launch.flag_checks import FlagError
+from launch.flag_checks import OPTIMIZERS
+from launch.flag_checks import parse_schedule
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
 WORKER = os.path.join(REPO_ROOT, "bench", "e2e_worker.py")
 
 CONFIGS = ("dense", "dctdp", "dctdp_mp", "deft", "topk", "native", "dctdp_fc")
 DEFAULT_CONFIGS = ("native", "dense", "dctdp", "dctdp_mp", "deft", "topk")
 SHAPERS = ("auto", "netem", "tbf")
-# The launcher's --optimizer values (launch/registry.py OPTIMIZERS; this
-# driver does not import TensorFlow).
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
 NS_PREFIX = "dcte2e_"
 SUBNET = "10.77.0"
 MAX_WORKERS = 8
@@ -95,10 +101,6 @@ _DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 MIN_RATE, MAX_RATE = 1e6, 40e9     # bit/s
 MAX_DELAY = 1.0                    # s
 MAX_VOCAB = (2**31 - 1) // (NUM_TABLES * EMBEDDING_DIM)  # int32 positions
-
-
-class FlagError(ValueError):
-  """A bad flag value, reported before anything is touched."""
 
 
 # --- flags -----------------------------------------------------------------------
@@ -260,32 +262,16 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     raise FlagError(f"--compressor_options must be a JSON object, got "
                     f"{args.compressor_options!r}")
   if args.sparsity_schedule not in (None, "none"):
-    for item in args.sparsity_schedule.split(","):
-      steps, _, sparsity = item.partition(":")
-      try:
-        ok = int(steps) >= 1 and 0 < float(sparsity) < 1
-      except ValueError:
-        ok = False
-      if not ok:
-        raise FlagError(f"--sparsity_schedule: each item must be steps:sparsity with "
-                        f"steps >= 1 and sparsity in (0, 1), or 'none'; got {item!r}")
+    parse_schedule(args.sparsity_schedule.split(","), "dct")
   check_int("seed", 0, 2**31 - 1)
   check_int("nice", 0, 19)
   check_int("port", 1024, 65535 - args.workers * len(args.config_list))
 
-  def check_float(name, lo, hi, lo_open, hi_open):
-    v = getattr(args, name)
-    ok = (math.isfinite(v) and (v > lo if lo_open else v >= lo)
-          and (v < hi if hi_open else v <= hi))
-    if not ok:
-      raise FlagError(f"--{name} must be in {'(' if lo_open else '['}{lo}, "
-                      f"{hi}{')' if hi_open else ']'}, got {v}")
-
-  check_float("learning_rate", 0, math.inf, True, True)
-  check_float("sparsity", 0, 1, True, True)
-  check_float("mp_sparsity", 0, 1, False, True)
-  check_float("density", 0, 1, True, False)
-  check_float("timeout", 0, math.inf, True, True)
+  for name, lo, hi, lo_open, hi_open in (
+      ("learning_rate", 0, None, True, True), ("sparsity", 0, 1, True, True),
+      ("mp_sparsity", 0, 1, False, True), ("density", 0, 1, True, False),
+      ("timeout", 0, None, True, True)):
+    check_range(name, getattr(args, name), lo, hi, lo_open, hi_open)
   return args
 
 
@@ -820,8 +806,6 @@ def _label(result: dict) -> str:
 def plot(results: Sequence[dict], path: str) -> None:
   """Draws step time and test loss against native of every configuration,
   one group of bars per result (a run's `run()` return or --json file)."""
-  if REPO_ROOT not in sys.path:  # run as a script: the repository root is not on it
-    sys.path.insert(0, REPO_ROOT)
   from bench import plotting  # pylint: disable=g-import-not-at-top
   plt = plotting.pyplot()
   groups = []

@@ -27,9 +27,11 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from launch import flag_checks
+
 # The --optimizer values (launch/train.py builds them); every spec has a
 # learning rate for each, in both presets.
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
+OPTIMIZERS = flag_checks.OPTIMIZERS
 
 # Launcher settings every model has (flag name -> value); per-model defaults
 # override these, `--config=local` overrides those, explicit flags win. The

@@ -153,6 +153,9 @@ with (without_stderr_lines(IMPORT_NOISE) if _QUIET_IMPORT else contextlib.nullco
   from tf_dct.keras import placement
   from launch import configs
   from launch import registry
+  from launch.flag_checks import check_range
+  from launch.flag_checks import FlagError
+  from launch.flag_checks import parse_schedule
   from launch import summaries
   from models.data.errors import DataError
   from models.data.errors import MALFORMED
@@ -295,10 +298,6 @@ CONFIG_FLAGS = (*configs.LAUNCHER_DEFAULTS, *SETTINGS)
 # The config's sections -> their key in the resolved configuration.
 SECTION_KEYS = {"model": "model_kwargs", "data": "data", "eval": "eval", "split": "split"}
 CONFIG_FILE = "config.json"
-
-
-class FlagError(app.UsageError, ValueError):
-  """A bad flag or flag combination, raised before any training starts."""
 
 
 def _given(name: str) -> bool:
@@ -482,13 +481,7 @@ def _check_section(section: str, values: dict) -> None:
 
 
 def _in_range(cfg, name, lo, hi, lo_open, hi_open):
-  v = cfg[name]
-  ok = (v is not None and math.isfinite(v) and (v > lo if lo_open else v >= lo)
-        and (hi is None or (v < hi if hi_open else v <= hi)))
-  if not ok:
-    interval = (f"{'(' if lo_open else '['}{lo}, {'inf' if hi is None else hi}"
-                f"{')' if hi_open or hi is None else ']'}")
-    raise FlagError(f"--{name} must be in {interval}, got {v}")
+  check_range(name, cfg[name], lo, hi, lo_open, hi_open)
 
 
 def _parse_splits(cfg: dict, spec) -> list[str]:
@@ -516,29 +509,6 @@ def _parse_splits(cfg: dict, spec) -> list[str]:
   if len(set(names)) != len(names):
     raise FlagError(f"--mp_splits lists a point twice: {text}")
   return [p for p in points if p in names]  # forward order
-
-
-def parse_schedule(items, comp: str) -> tuple[tuple[int, float], ...]:
-  """--sparsity_schedule's steps:sparsity items as ((steps, sparsity), ...);
-  raises FlagError naming the flag and the allowed values."""
-  if not items:
-    return ()
-  if isinstance(items, tuple) and all(isinstance(i, tuple) for i in items):
-    return items  # already parsed
-  if comp != "dct":
-    raise FlagError(f"--sparsity_schedule is for --compression=dct, not --compression={comp}")
-  out = []
-  for item in items:
-    steps, sep, sparsity = str(item).partition(":")
-    try:
-      pair = (int(steps), float(sparsity))
-    except ValueError:
-      pair = None
-    if not sep or pair is None or pair[0] < 1 or not 0 < pair[1] < 1:
-      raise FlagError(f"--sparsity_schedule: each item must be steps:sparsity with steps >= 1 "
-                      f"and sparsity in (0, 1), got {item!r}")
-    out.append(pair)
-  return tuple(out)
 
 
 def validate(cfg: dict) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -174,7 +175,14 @@ def test_defaults_presets_and_units():
   assert e2e_link.parse_delay("0ms") == 0.0
 
 
-def test_optimizers_are_the_launchers():
+def test_driver_checks_flags_as_the_launcher_without_tensorflow():
+  # The driver imports the launcher's TensorFlow-free checks, not TensorFlow.
+  code = ("import sys; from bench import e2e_link; "
+          "print(sorted(m for m in ('tensorflow', 'launch.train', 'launch.registry') "
+          "if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True, cwd=e2e_link.REPO_ROOT).stdout
+  assert out.strip() == "[]"
   from launch import registry  # pylint: disable=g-import-not-at-top
   assert e2e_link.OPTIMIZERS == registry.OPTIMIZERS
 
