@@ -184,6 +184,25 @@ class ResumeTest(tf.test.TestCase):
     self.assertLen(list(criteo.tsv_stream(paths, 4, 50, start=6,
                                           eager_check_bytes=0).take(2)), 2)
 
+  def test_restored_iterator_seeks_to_its_byte_offset(self):
+    # A checkpointed iterator resumes at its saved byte offset in the file:
+    # the 8 rows it consumed, overwritten by as many bytes without a
+    # newline, are neither read as lines nor parsed.
+    paths = self._files()
+    full = list(criteo.tsv_stream(paths, 4, 50, eager_check_bytes=0).take(3))
+    iterator = iter(criteo.tsv_stream(paths, 4, 50, eager_check_bytes=0))
+    next(iterator), next(iterator)
+    saved = tf.train.Checkpoint(input=iterator).write(
+        os.path.join(self.get_temp_dir(), "input"))
+    with open(paths[0], "rb") as f:
+      data = f.read()
+    consumed = sum(len(line) for line in data.splitlines(keepends=True)[:8])
+    with open(paths[0], "wb") as f:
+      f.write(b"x" * consumed + data[consumed:])
+    restored = iter(criteo.tsv_stream(paths, 4, 50, eager_check_bytes=0))
+    tf.train.Checkpoint(input=restored).read(saved).assert_consumed()
+    self._assert_batches_equal([next(restored)], full[2:])
+
   def test_count_rows_counts_what_the_reader_reads(self):
     d = self.get_temp_dir()
     for name, text in {"plain": _row() * 3, "no_last_newline": _row() * 2 + _row()[:-1],
