@@ -132,6 +132,16 @@ def without_stderr_lines(markers: tuple[bytes, ...]):
         os.write(2, b"".join(kept))
 
 
+def runs_as_program(module_name: str, argv0: str) -> bool:
+  """Whether this module runs as the launcher program (`python -m
+  launch.train` or the `tf-dct-train` console script), not imported."""
+  return module_name == "__main__" or os.path.basename(argv0) == "tf-dct-train"
+
+
+# The imports below take a while (TensorFlow, ~20 s on a busy machine): a
+# program run says so first.
+if runs_as_program(__name__, sys.argv[0]):
+  print("loading TensorFlow ...", flush=True)
 select_keras(sys.argv[1:])
 # On a run without GPUs, TensorFlow loads without the lines saying so, unless
 # the user asked for TensorFlow's logging (TF_CPP_MIN_LOG_LEVEL set).

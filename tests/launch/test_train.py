@@ -610,13 +610,20 @@ class ProgressTest(tf.test.TestCase):
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
                          check=False)
     self.assertEqual(out.returncode, 0, out.stderr)
-    self.assertEqual(out.stdout.splitlines()[0],
-                     "training mlp (local): 2 steps, global batch 32, --replicator=cpu, "
-                     "--compression=none, Keras 3; building the model ...")
+    # A notice before the imports, then the run's first line.
+    self.assertEqual(out.stdout.splitlines()[:2],
+                     ["loading TensorFlow ...",
+                      "training mlp (local): 2 steps, global batch 32, --replicator=cpu, "
+                      "--compression=none, Keras 3; building the model ..."])
     self.assertNotIn("cuInit", out.stderr)
     # TensorFlow's import-time lines of a CUDA build on a machine without one.
     self.assertNotIn("cudart_stub", out.stderr)
     self.assertNotIn("absl::InitializeLog", out.stderr)
+
+  def test_only_a_program_run_announces_the_imports(self):
+    self.assertTrue(train.runs_as_program("__main__", "/x/launch/train.py"))
+    self.assertTrue(train.runs_as_program("launch.train", "/venv/bin/tf-dct-train"))
+    self.assertFalse(train.runs_as_program("launch.train", "/venv/bin/pytest"))
 
   def test_import_noise_is_dropped_only_on_runs_without_gpus(self):
     self.assertTrue(train.uses_no_gpu([]))
