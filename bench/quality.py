@@ -535,7 +535,9 @@ CELL_SETTINGS = ("steps", "config", "metric", "learning_rate")
 def json_data(records: Sequence[dict], *, command: str, wall: float,
               settings: dict) -> dict:
   """A run as a JSON-ready dict: its command, time, settings and records (each
-  curve as [[step, metric], ...]); `settings` holds `SHARED_SETTINGS` at least."""
+  curve as [[step, metric], ...]); `settings` holds `SHARED_SETTINGS` at least.
+  Written with `bench.plotting.save_json` (nan and inf as Python's json
+  writes them)."""
   missing = [k for k in SHARED_SETTINGS if k not in settings]
   if missing:
     raise ValueError(f"json_data: settings lack {','.join(missing)}")
@@ -543,13 +545,6 @@ def json_data(records: Sequence[dict], *, command: str, wall: float,
           "wall_seconds": wall, "settings": dict(settings),
           "records": [{**r, "curve": [[s, v] for s, v in sorted(r["curve"].items())]}
                       for r in records]}
-
-
-def save_json(data: dict, path: str) -> None:
-  """Writes `json_data`'s dict (nan and inf as Python's json writes them)."""
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(data, f, indent=1)
-    f.write("\n")
 
 
 def load_json(path: str) -> dict:
@@ -902,7 +897,8 @@ def train_all(args: argparse.Namespace, argv: Sequence[str]) -> tuple[list[dict]
   wall = time.perf_counter() - start
   command = command_line(argv)
   if args.json:
-    save_json(json_data(records, command=command, wall=wall, settings=run_settings(args)),
+    from bench import plotting  # pylint: disable=g-import-not-at-top
+    plotting.save_json(json_data(records, command=command, wall=wall, settings=run_settings(args)),
               args.json)
   return records, command, wall
 

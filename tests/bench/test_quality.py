@@ -13,6 +13,7 @@ from absl.testing import parameterized
 import pytest
 import tensorflow as tf
 
+from bench import plotting
 from bench import quality
 from tests import util
 
@@ -315,7 +316,7 @@ class JsonTest(tf.test.TestCase):
   def _part(self, name, records, command="python bench/quality.py --models=ncf", wall=60.0,
             **settings):
     path = os.path.join(self.create_tempdir().full_path, name)
-    quality.save_json(quality.json_data(records, command=command, wall=wall,
+    plotting.save_json(quality.json_data(records, command=command, wall=wall,
                                         settings={**SETTINGS, **settings}), path)
     return path
 
@@ -410,7 +411,6 @@ class JsonTest(tf.test.TestCase):
     self.assertEqual(width, round(2 * 4.6 * 150))  # two panels at 150 dpi
 
   def test_panels_band_the_seed_range_with_distinct_styles(self):
-    from bench import plotting  # pylint: disable=g-import-not-at-top
     records = self._records(compressors=("dense", "dct", "dct_paper"))
     rows = quality.summarize(records)
     path = os.path.join(self.create_tempdir().full_path, "q.png")
