@@ -898,8 +898,8 @@ def train_all(args: argparse.Namespace, argv: Sequence[str]) -> tuple[list[dict]
   command = command_line(argv)
   if args.json:
     from bench import plotting  # pylint: disable=g-import-not-at-top
-    plotting.save_json(json_data(records, command=command, wall=wall, settings=run_settings(args)),
-              args.json)
+    data = json_data(records, command=command, wall=wall, settings=run_settings(args))
+    plotting.save_json(data, args.json)
   return records, command, wall
 
 

@@ -328,7 +328,8 @@ class JsonTest(tf.test.TestCase):
 
   def _records(self, model="ncf", compressors=("dense", "dct"), optimizer="adam"):
     return [_record(c, seed, 0.5 + 0.1 * seed + 0.01 * k,
-                    {5: 0.3 + 0.1 * seed, 10: 0.5 + 0.1 * seed + 0.01 * k}, model=model, optimizer=optimizer, payload=2.0 + 30 * k, layer=1.0 + k,
+                    {5: 0.3 + 0.1 * seed, 10: 0.5 + 0.1 * seed + 0.01 * k}, model=model,
+                    optimizer=optimizer, payload=2.0 + 30 * k, layer=1.0 + k,
                     stock=1.0 + 10 * k)
             for k, c in enumerate(compressors) for seed in (0, 1)]
 
@@ -393,8 +394,8 @@ class JsonTest(tf.test.TestCase):
   def test_plot_json_refuses_the_training_flags(self):
     a = self._part("a.json", self._records())
     for flag in ("--models=ncf", "--seeds=0,1", "--evals=4", "--quick", "--json=/tmp/x.json"):
-      with self.assertRaisesRegex(quality.FlagError,
-                                  re.escape(f"--plot_json trains nothing: drop {flag.split('=')[0]}")):
+      message = f"--plot_json trains nothing: drop {flag.split('=')[0]}"
+      with self.assertRaisesRegex(quality.FlagError, re.escape(message)):
         quality.parse_args([f"--plot_json={a}", flag])
     with self.assertRaisesRegex(quality.FlagError, "lists a file twice"):
       quality.parse_args([f"--plot_json={a},{a}"])
