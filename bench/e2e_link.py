@@ -261,8 +261,8 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
   if not isinstance(options, dict):
     raise FlagError(f"--compressor_options must be a JSON object, got "
                     f"{args.compressor_options!r}")
-  if args.sparsity_schedule not in (None, "none"):
-    parse_schedule(args.sparsity_schedule.split(","), "dct")
+  if args.sparsity_schedule is not None:
+    parse_schedule(args.sparsity_schedule.split(","), "dct", none_word=True)
   check_int("seed", 0, 2**31 - 1)
   check_int("nice", 0, 19)
   check_int("port", 1024, 65535 - args.workers * len(args.config_list))

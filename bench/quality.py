@@ -30,7 +30,7 @@ Reported per (model, optimizer, compressor), means over the seeds:
             contain "embedding", from `communication_stats()["variables"]`.
 
 and a table of the metric at every evaluation point (the curves), plus a PNG
-of them with `--png` (dense's seed range shaded).
+of them with `--png` (each compressor's seed range shaded).
 
 Models (`MODELS`): dlrm (DCT section 3.1 dimensions, embedded synthetic
 Criteo-shaped data, 4 replicas, no model-parallel splits), ncf (trains on a
@@ -56,6 +56,17 @@ Usage:
   python bench/quality.py --models=ncf --optimizers=adam,momentum \
       --compressors=dense,dct,dct_paper --seeds=0,1 --png=/tmp/q.png
   python bench/quality.py ... --write_docs    # rewrite docs/quality.md's results
+  python bench/quality.py --models=ncf --json=/tmp/ncf.json      # run in parts ...
+  python bench/quality.py --models=dlrm --json=/tmp/dlrm.json
+  python bench/quality.py --plot_json=/tmp/ncf.json,/tmp/dlrm.json --png=/tmp/q.png
+      # ... and assemble them: no training; the same report, docs section and PNG
+
+`--json` keeps every run's record (curve, final, payload ratios, settings);
+`--plot_json` merges such files (see `merge`): parts whose runs are not
+comparable (another preset, --evals or ratings data; another step count,
+launcher preset, metric or learning rate for the same model and optimizer)
+are refused, naming the file, and so is a run (model, optimizer, compressor,
+seed) found in two files: no part silently wins.
 """
 
 from __future__ import annotations
@@ -77,6 +88,7 @@ import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
 import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
 import inspect  # pylint: disable=g-import-not-at-top,wrong-import-position
 import io  # pylint: disable=g-import-not-at-top,wrong-import-position
+import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import math  # pylint: disable=g-import-not-at-top,wrong-import-position
 import shlex  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tempfile  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -448,10 +460,20 @@ def notes_lines(rows: Sequence[dict]) -> list[str]:
   return lines
 
 
-def report(rows: Sequence[dict], command: str, wall: float) -> str:
-  """The whole markdown report: command, main table, curves, notes."""
-  parts = [f"Produced by `{command}` ({wall / 60:.1f} min on the machine that ran it, "
-           f"its CPU split into {NUM_CPUS} logical devices).", "",
+def report(rows: Sequence[dict], command: str | Sequence[str], wall: float) -> str:
+  """The whole markdown report: command, main table, curves, notes.
+
+  `command`: the command that ran the records, or the commands of the parts
+  merged with --plot_json (`wall`: their times added up).
+  """
+  commands = [command] if isinstance(command, str) else list(command)
+  if len(commands) == 1:
+    origin = f"Produced by `{commands[0]}` ({wall / 60:.1f} min on the machine that ran it, "
+  else:
+    origin = ("Produced in " + str(len(commands)) + " parts, " +
+              ", ".join(f"`{c}`" for c in commands) + ", merged from their --json files "
+              f"({wall / 60:.1f} min in all on the machine that ran them, ")
+  parts = [origin + f"its CPU split into {NUM_CPUS} logical devices).", "",
            "Finals are means over the seeds; \"vs dense\" and \"worst point\" are relative "
            "to dense's mean at the same step (the metric's sign); \"payload\" is what "
            "one replica would send without tf-dct / what it sends per step: \"vs stock "
@@ -467,35 +489,122 @@ def report(rows: Sequence[dict], command: str, wall: float) -> str:
 
 
 def plot(rows: Sequence[dict], records: Sequence[dict], path: str) -> None:
-  """One panel per (model, optimizer): mean curve per compressor, dense's seed range."""
+  """One panel per (model, optimizer): per compressor the mean curve over the
+  seeds and the seeds' range as a band of the line's colour (dense in black).
+
+  Markers, line styles, font sizes and legend placement: bench/plotting.py.
+  """
   from bench import plotting  # pylint: disable=g-import-not-at-top
   plt = plotting.pyplot()
   groups = list(dict.fromkeys((r["model"], r["optimizer"]) for r in rows))
   cols = min(3, len(groups))
   nrows = -(-len(groups) // cols)
-  fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.8 * nrows), squeeze=False,
-                           layout="constrained")  # room for the legends below
+  fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.9 * nrows + 0.4),
+                           squeeze=False, layout="constrained")  # room for the legends below
   for ax, (model, optimizer) in zip(axes.flat, groups):
     group = [r for r in rows if (r["model"], r["optimizer"]) == (model, optimizer)]
-    dense_runs = [r for r in records if (r["model"], r["optimizer"], r["compressor"])
-                  == (model, optimizer, "dense")]
-    if dense_runs:
-      steps = sorted({s for r in dense_runs for s in r["curve"]})
-      lo = [min(r["curve"].get(s, math.nan) for r in dense_runs) for s in steps]
-      hi = [max(r["curve"].get(s, math.nan) for r in dense_runs) for s in steps]
-      ax.fill_between(steps, lo, hi, color="0.85", label="dense seed range")
-    for r in group:
-      steps = sorted(r["curve"])
-      # markers and line styles: bench/plotting.py, one per compressor
-      ax.plot(steps, [r["curve"][s] for s in steps], label=r["compressor"],
-              color="black" if r["compressor"] == "dense" else None)
+    for row in group:
+      runs = [r for r in records if (r["model"], r["optimizer"], r["compressor"])
+              == (model, optimizer, row["compressor"])]
+      steps = sorted(row["curve"])
+      (line,) = ax.plot(steps, [row["curve"][s] for s in steps], label=row["compressor"],
+                        color="black" if row["compressor"] == "dense" else None)
+      per_step = [[r["curve"][s] for r in runs if s in r["curve"]] for s in steps]
+      ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step],
+                      color=line.get_color(), alpha=0.15, linewidth=0)
     ax.set_title(f"{model}, {optimizer}")
     ax.set_xlabel("step")
     ax.set_ylabel(group[0]["metric"])
     ax.legend()
   for ax in list(axes.flat)[len(groups):]:
     ax.axis("off")
+  fig.suptitle("lines: mean over the seeds; bands: the seeds' range")
   plotting.save(fig, path)
+
+
+# --- records as JSON, and parts merged ----------------------------------------------
+
+JSON_FORMAT = "bench/quality.py records"
+JSON_VERSION = 1
+# Settings of a whole run (--json's "settings") that every merged part shares.
+SHARED_SETTINGS = ("quick", "evals", "data_dir", "num_cpus")
+# Record keys every run of one (model, optimizer) shares across the parts.
+CELL_SETTINGS = ("steps", "config", "metric", "learning_rate")
+
+
+def json_data(records: Sequence[dict], *, command: str, wall: float,
+              settings: dict) -> dict:
+  """A run as a JSON-ready dict: its command, time, settings and records (each
+  curve as [[step, metric], ...]); `settings` holds `SHARED_SETTINGS` at least.
+  Written with `bench.plotting.save_json` (nan and inf as Python's json
+  writes them)."""
+  missing = [k for k in SHARED_SETTINGS if k not in settings]
+  if missing:
+    raise ValueError(f"json_data: settings lack {','.join(missing)}")
+  return {"format": JSON_FORMAT, "version": JSON_VERSION, "command": command,
+          "wall_seconds": wall, "settings": dict(settings),
+          "records": [{**r, "curve": [[s, v] for s, v in sorted(r["curve"].items())]}
+                      for r in records]}
+
+
+def load_json(path: str) -> dict:
+  """Reads a --json file; curves back to {step: metric}. Raises FlagError
+  naming the file when it is not one."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError) as e:
+    raise FlagError(f"--plot_json: cannot read {path}: {e}") from None
+  if not isinstance(data, dict) or data.get("format") != JSON_FORMAT:
+    raise FlagError(f"--plot_json: {path} is not a bench/quality.py --json file")
+  missing = [k for k in ("command", "wall_seconds", "settings", "records") if k not in data]
+  if missing:
+    raise FlagError(f"--plot_json: {path} lacks {','.join(missing)}")
+  if data.get("version") != JSON_VERSION:
+    raise FlagError(f"--plot_json: {path} has version {data.get('version')!r}; this "
+                    f"script reads version {JSON_VERSION}")
+  data["records"] = [{**r, "curve": {int(s): float(v) for s, v in r["curve"]}}
+                     for r in data["records"]]
+  return data
+
+
+def merge(parts: Sequence[tuple[str, dict]]) -> tuple[list[dict], list[str], float]:
+  """(records, commands, seconds) of the (path, `load_json` dict) parts, in order.
+
+  Raises FlagError naming the file when a part's runs are not comparable
+  with an earlier part's: another value of a `SHARED_SETTINGS` key, or of a
+  `CELL_SETTINGS` key for the same (model, optimizer); or when a run (model,
+  optimizer, compressor, seed) is in two files (none of them wins: drop it
+  from one part).
+  """
+  records, first, cells, seen = [], None, {}, {}
+  for path, data in parts:
+    settings = {k: data["settings"].get(k) for k in SHARED_SETTINGS}
+    if first is None:
+      first = (path, settings)
+    for key in SHARED_SETTINGS:
+      if settings[key] != first[1][key]:
+        raise FlagError(f"--plot_json: {path} ran with {key}={settings[key]!r}, {first[0]} "
+                        f"with {key}={first[1][key]!r}: their runs are not comparable")
+    for r in data["records"]:
+      cell = (r["model"], r["optimizer"])
+      values = {k: r.get(k) for k in CELL_SETTINGS}
+      earlier = cells.setdefault(cell, (path, values))
+      for key in CELL_SETTINGS:
+        if values[key] != earlier[1][key]:
+          raise FlagError(
+              f"--plot_json: {path} ran {r['model']} / {r['optimizer']} with "
+              f"{key}={values[key]!r}, {earlier[0]} with {key}={earlier[1][key]!r}: "
+              "their runs are not comparable")
+      run = (*cell, r["compressor"], r["seed"])
+      if run in seen:
+        where = f"twice in {path}" if seen[run] == path else f"in {seen[run]} and in {path}"
+        raise FlagError(f"--plot_json: {' / '.join(str(x) for x in run[:3])} seed {run[3]} "
+                        f"is {where}; keep it in one file only")
+      seen[run] = path
+      records.append(r)
+  commands = [data["command"] for _, data in parts]
+  return records, commands, sum(data["wall_seconds"] for _, data in parts)
 
 
 def write_docs(markdown: str, png: str | None, path: str = DOC_PATH) -> None:
@@ -602,19 +711,26 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"comma list of {','.join(COMPRESSORS)} or 'all', each optionally "
                  "with +keyword=value; dense is always run (the reference); default "
                  f"{','.join(DEFAULT_COMPRESSORS)}")
-  p.add_argument("--seeds", default="0,1", help="comma list of >= 2 seeds; default 0,1")
+  p.add_argument("--seeds", default=None, help="comma list of >= 2 seeds; default 0,1")
   p.add_argument("--steps", type=int, default=None,
                  help="training steps of every run; default per model (MODELS)")
   p.add_argument("--metric", default="",
                  help="comma list of model:key, the evaluation key reported for that "
                  "model instead of its headline metric (e.g. dlrm:loss); default none")
-  p.add_argument("--evals", type=int, default=4,
+  p.add_argument("--evals", type=int, default=None,
                  help="evaluation points per run (every steps/evals steps); default 4")
   p.add_argument("--data_dir", default="",
                  help="a MovieLens directory (ratings.csv or u.data) for ncf; default: a "
                  "synthetic ratings file written to a temporary directory")
   p.add_argument("--out", default="", help="also write the markdown report to this file")
   p.add_argument("--png", default="", help="write the curves to this PNG")
+  p.add_argument("--json", default="",
+                 help="also write every run's record (curve, final, payload ratios) and "
+                 "the run's settings to this file, for --plot_json")
+  p.add_argument("--plot_json", default="",
+                 help="comma list of earlier --json files: train nothing, merge them and "
+                 "print the report (with --out, --png, --write_docs as after a run); "
+                 "refused with the training flags")
   p.add_argument("--write_docs", action="store_true",
                  help=f"rewrite the results section of {os.path.relpath(DOC_PATH, REPO_ROOT)}")
   p.add_argument("--verbose", action="store_true",
@@ -625,6 +741,26 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   """Parses and validates; fills --quick / full defaults. Raises FlagError."""
   args = build_parser().parse_args(argv)
+  args.plot_list = [f.strip() for f in args.plot_json.split(",") if f.strip()]
+  if args.plot_json and not args.plot_list:
+    raise FlagError("--plot_json: give a comma list of --json files")
+  if args.plot_list:
+    for f in args.plot_list:
+      if not os.path.isfile(f):
+        raise FlagError(f"--plot_json: no such file {f!r}")
+    if len(set(args.plot_list)) != len(args.plot_list):
+      raise FlagError(f"--plot_json lists a file twice: {args.plot_json}")
+    given = [name for name in TRAINING_FLAGS if getattr(args, name) not in (None, False, "")]
+    if given:
+      raise FlagError(f"--plot_json trains nothing: drop --{', --'.join(given)} (the "
+                      "files hold their runs' settings)")
+    if args.write_docs and not os.path.isfile(DOC_PATH):
+      raise FlagError(f"--write_docs: {DOC_PATH} not found")
+    return args
+  if args.seeds is None:
+    args.seeds = "0,1"
+  if args.evals is None:
+    args.evals = 4
   from launch import registry  # pylint: disable=g-import-not-at-top
   from launch import train  # pylint: disable=g-import-not-at-top
   preset = QUICK if args.quick else {"models": DEFAULT_MODELS, "optimizers": None,
@@ -697,7 +833,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-OUTPUT_FLAGS = ("--out", "--png", "--write_docs", "--verbose")
+# Flags --plot_json refuses: they choose what to train.
+TRAINING_FLAGS = ("quick", "models", "optimizers", "compressors", "seeds", "steps", "metric",
+                  "evals", "data_dir", "verbose", "json")
+OUTPUT_FLAGS = ("--out", "--png", "--json", "--write_docs", "--verbose")
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -707,7 +846,7 @@ def command_line(argv: Sequence[str]) -> str:
     if skip:
       skip = False
       continue
-    if a in ("--out", "--png"):
+    if a in ("--out", "--png", "--json"):
       skip = True  # its value follows
       continue
     if a.split("=", 1)[0] in OUTPUT_FLAGS:
@@ -723,6 +862,29 @@ def main(argv: Sequence[str] | None = None) -> int:
   except FlagError as e:
     print(f"quality: error: {e}", file=sys.stderr)
     return 2
+  if args.plot_list:
+    try:
+      records, command, wall = merge([(f, load_json(f)) for f in args.plot_list])
+    except FlagError as e:
+      print(f"quality: error: {e}", file=sys.stderr)
+      return 2
+  else:
+    records, command, wall = train_all(args, argv)
+  rows = summarize(records)
+  markdown = report(rows, command, wall)
+  print("\n" + markdown, flush=True)
+  if args.out:
+    with open(args.out, "w", encoding="utf-8") as f:
+      f.write(markdown)
+  if args.png:
+    plot(rows, records, args.png)
+  if args.write_docs:
+    write_docs(markdown, args.png or None)
+  return 0
+
+
+def train_all(args: argparse.Namespace, argv: Sequence[str]) -> tuple[list[dict], str, float]:
+  """Runs what `args` ask for; (records, command, seconds). Writes --json."""
   from absl import logging  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)
@@ -733,17 +895,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 data_dir=args.data_dir, metrics=args.metric_map, verbose=args.verbose,
                 log=lambda line: print(line, flush=True))
   wall = time.perf_counter() - start
-  rows = summarize(records)
-  markdown = report(rows, command_line(argv), wall)
-  print("\n" + markdown, flush=True)
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      f.write(markdown)
-  if args.png:
-    plot(rows, records, args.png)
-  if args.write_docs:
-    write_docs(markdown, args.png or None)
-  return 0
+  command = command_line(argv)
+  if args.json:
+    from bench import plotting  # pylint: disable=g-import-not-at-top
+    data = json_data(records, command=command, wall=wall, settings=run_settings(args))
+    plotting.save_json(data, args.json)
+  return records, command, wall
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+  """The settings a --json file keeps: `SHARED_SETTINGS` and what was asked for."""
+  return {"quick": args.quick, "evals": args.evals, "data_dir": args.data_dir,
+          "num_cpus": NUM_CPUS, "models": args.model_list, "optimizers": args.optimizer_list,
+          "compressors": args.compressor_list, "seeds": args.seed_list,
+          "steps": args.steps, "metric": args.metric_map}
 
 
 if __name__ == "__main__":

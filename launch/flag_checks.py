@@ -30,10 +30,17 @@ def check_range(name: str, value, lo: float, hi: float | None,
     raise FlagError(f"--{name} must be in {interval}, got {value}")
 
 
-def parse_schedule(items, comp: str) -> tuple[tuple[int, float], ...]:
+def parse_schedule(items, comp: str, *,
+                   none_word: bool = False) -> tuple[tuple[int, float], ...]:
   """--sparsity_schedule's steps:sparsity items as ((steps, sparsity), ...);
-  raises FlagError naming the flag and the allowed values."""
+  raises FlagError naming the flag and the allowed values.
+
+  `none_word`: the flag also takes the single item 'none' (no schedule, ()),
+  and the error message says so.
+  """
   if not items:
+    return ()
+  if none_word and list(items) == ["none"]:
     return ()
   if isinstance(items, tuple) and all(isinstance(i, tuple) for i in items):
     return items  # already parsed
@@ -47,7 +54,8 @@ def parse_schedule(items, comp: str) -> tuple[tuple[int, float], ...]:
     except ValueError:
       pair = None
     if not sep or pair is None or pair[0] < 1 or not 0 < pair[1] < 1:
+      also = ", or the single word 'none' for no schedule" if none_word else ""
       raise FlagError(f"--sparsity_schedule: each item must be steps:sparsity with steps >= 1 "
-                      f"and sparsity in (0, 1), got {item!r}")
+                      f"and sparsity in (0, 1){also}, got {item!r}")
     out.append(pair)
   return tuple(out)

@@ -153,6 +153,17 @@ def test_bad_flag_is_named(argv, flag):
     e2e_link.parse_args(argv)
 
 
+def test_sparsity_schedule_error_names_the_word_none_the_flag_takes():
+  with pytest.raises(e2e_link.FlagError) as err:
+    e2e_link.parse_args(["--sparsity_schedule=nope"])
+  assert str(err.value) == ("--sparsity_schedule: each item must be steps:sparsity with "
+                            "steps >= 1 and sparsity in (0, 1), or the single word 'none' "
+                            "for no schedule, got 'nope'")
+  assert e2e_link.parse_args(["--sparsity_schedule=none"]).sparsity_schedule == "none"
+  with pytest.raises(e2e_link.FlagError, match="got 'none'"):  # only on its own
+    e2e_link.parse_args(["--sparsity_schedule=10:0.9,none"])
+
+
 def test_defaults_presets_and_units():
   full = e2e_link.parse_args([])
   assert (full.rate_bps, full.delay_s) == (1e9, 5e-4)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import re
@@ -11,6 +13,7 @@ from absl.testing import parameterized
 import pytest
 import tensorflow as tf
 
+from bench import plotting
 from bench import quality
 from tests import util
 
@@ -24,10 +27,11 @@ def setUpModule():
 
 
 def _record(compressor, seed, final, curve=None, *, metric="hr@10", optimizer="adam",
-            payload=None, layer=None, model="ncf", stock=None):
+            payload=None, layer=None, model="ncf", stock=None, steps=None):
   curve = dict(curve or {100: final})
   return {"model": model, "optimizer": optimizer, "compressor": compressor, "seed": seed,
-          "metric": metric, "learning_rate": 1e-3, "final": final, "curve": curve,
+          "metric": metric, "learning_rate": 1e-3, "steps": steps or max(curve), "config": "local",
+          "final": final, "curve": curve,
           "payload_ratio": payload, "layer_payload_ratio": layer,
           "stock_payload_ratio": stock, "notes": [],
           "diverged": "loss is nan" if math.isnan(final) else None}
@@ -193,7 +197,8 @@ class TablesTest(tf.test.TestCase):
   def test_command_line_drops_the_output_flags(self):
     self.assertEqual(
         quality.command_line(["--models=ncf", "--png", "/tmp/a.png", "--out=/tmp/a.md",
-                              "--write_docs", "--seeds=0,1"]),
+                              "--write_docs", "--json", "/tmp/a.json", "--seeds=0,1",
+                              "--json=/tmp/b.json"]),
         "python bench/quality.py --models=ncf --seeds=0,1")
 
 
@@ -217,6 +222,8 @@ class FlagsTest(parameterized.TestCase):
       (["--metric=dlrm:"], "--metric: expected model:key"),
       (["--models=ncf", "--metric=dlrm:loss"], "--metric: dlrm is not in --models (ncf)"),
       (["--metric=dlrm:loss,dlrm:auc"], "--metric lists dlrm twice"),
+      (["--plot_json=/nonexistent.json"], "--plot_json: no such file '/nonexistent.json'"),
+      (["--plot_json=,"], "--plot_json: give a comma list of --json files"),
   )
   def test_bad_flags_are_refused_by_name(self, argv, message):
     with self.assertRaisesRegex(quality.FlagError, re.escape(message)):
@@ -298,6 +305,127 @@ class FlagsTest(parameterized.TestCase):
     self.assertEqual(notes, ["DEFT takes no not_an_option= here: deft+not_an_option=1 runs "
                              "without it"])
     self.assertEqual(quality.build_compressor("dense"), (None, "none", []))
+
+
+SETTINGS = {"quick": False, "evals": 2, "data_dir": "", "num_cpus": quality.NUM_CPUS}
+
+
+class JsonTest(tf.test.TestCase):
+  """--json files and --plot_json on hand-made records: no training."""
+
+  def _part(self, name, records, command="python bench/quality.py --models=ncf", wall=60.0,
+            **settings):
+    path = os.path.join(self.create_tempdir().full_path, name)
+    plotting.save_json(quality.json_data(records, command=command, wall=wall,
+                                        settings={**SETTINGS, **settings}), path)
+    return path
+
+  def _main(self, argv):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+      code = quality.main(argv)
+    return code, err.getvalue()
+
+  def _records(self, model="ncf", compressors=("dense", "dct"), optimizer="adam"):
+    return [_record(c, seed, 0.5 + 0.1 * seed + 0.01 * k,
+                    {5: 0.3 + 0.1 * seed, 10: 0.5 + 0.1 * seed + 0.01 * k}, model=model,
+                    optimizer=optimizer, payload=2.0 + 30 * k, layer=1.0 + k,
+                    stock=1.0 + 10 * k)
+            for k, c in enumerate(compressors) for seed in (0, 1)]
+
+  def test_round_trip_renders_the_identical_report(self):
+    records = self._records()
+    records.append(_record("topk", 0, math.nan, {5: 0.2}, payload=math.inf, steps=10))
+    records.append(_record("topk", 1, 0.45, {5: 0.25, 10: 0.45}, payload=40.0))
+    want = quality.report(quality.summarize(records), "python bench/quality.py --models=ncf",
+                          95.0)
+    path = self._part("run.json", records, wall=95.0)
+    out = os.path.join(self.create_tempdir().full_path, "report.md")
+    self.assertEqual(self._main([f"--plot_json={path}", f"--out={out}"]), (0, ""))
+    with open(out, encoding="utf-8") as f:
+      self.assertEqual(f.read(), want)
+    self.assertEqual(quality.load_json(path)["records"][0]["curve"], {5: 0.3, 10: 0.5})
+
+  def test_two_parts_merge_into_one_report(self):
+    dense, dct = self._records(compressors=("dense",)), self._records(compressors=("dct",))
+    for r in dct:
+      r["compressor"] = "dct"
+    lstm = self._records(model="lstm_lm")
+    a = self._part("a.json", dense + lstm, "python bench/quality.py --compressors=dense", 60.0)
+    b = self._part("b.json", dct, "python bench/quality.py --compressors=dct", 120.0)
+    records, commands, wall = quality.merge([(f, quality.load_json(f)) for f in (a, b)])
+    self.assertEqual((len(records), wall), (8, 180.0))
+    rows = quality.summarize(records)
+    self.assertEqual([(r["model"], r["compressor"]) for r in rows],
+                     [("ncf", "dense"), ("lstm_lm", "dense"), ("lstm_lm", "dct"),
+                      ("ncf", "dct")])
+    self.assertEqual(rows, quality.summarize(dense + lstm + dct))  # dct vs dense across parts
+    text = quality.report(rows, commands, wall)
+    self.assertStartsWith(text, "Produced in 2 parts, `python bench/quality.py "
+                          "--compressors=dense`, `python bench/quality.py --compressors=dct`, "
+                          "merged from their --json files (3.0 min in all on the machine")
+
+  def test_incomparable_or_repeated_parts_are_refused_naming_the_file(self):
+    a = self._part("a.json", self._records())
+    cases = [
+        (self._part("quick.json", self._records("lstm_lm"), quick=True),
+         "quick.json ran with quick=True, {a} with quick=False: their runs are not comparable"),
+        (self._part("evals.json", self._records("lstm_lm"), evals=4), "with evals=4"),
+        (self._part("steps.json", [_record("topk", 0, 0.5, {20: 0.5})]),
+         "steps.json ran ncf / adam with steps=20, {a} with steps=10: their runs are not "
+         "comparable"),
+        (self._part("twice.json", self._records(compressors=("dct",))),
+         "ncf / adam / dct seed 0 is in {a} and in {twice}; keep it in one file only"),
+    ]
+    for path, message in cases:
+      message = message.format(a=a, twice=path)
+      with self.assertRaisesRegex(quality.FlagError, re.escape(message)):
+        quality.merge([(f, quality.load_json(f)) for f in (a, path)])
+      code, err = self._main([f"--plot_json={a},{path}"])
+      self.assertEqual(code, 2)
+      self.assertIn(os.path.basename(path), err)
+    bad = self._part("bad.json", [])
+    with open(bad, "w", encoding="utf-8") as f:
+      f.write("{}")
+    self.assertEqual(self._main([f"--plot_json={bad}"]),
+                     (2, f"quality: error: --plot_json: {bad} is not a bench/quality.py "
+                         "--json file\n"))
+
+  def test_plot_json_refuses_the_training_flags(self):
+    a = self._part("a.json", self._records())
+    for flag in ("--models=ncf", "--seeds=0,1", "--evals=4", "--quick", "--json=/tmp/x.json"):
+      message = f"--plot_json trains nothing: drop {flag.split('=')[0]}"
+      with self.assertRaisesRegex(quality.FlagError, re.escape(message)):
+        quality.parse_args([f"--plot_json={a}", flag])
+    with self.assertRaisesRegex(quality.FlagError, "lists a file twice"):
+      quality.parse_args([f"--plot_json={a},{a}"])
+
+  def test_png_is_written_at_150_dpi(self):
+    records = self._records() + self._records(optimizer="momentum")
+    a = self._part("a.json", records)
+    png = os.path.join(self.create_tempdir().full_path, "q.png")
+    self.assertEqual(self._main([f"--plot_json={a}", f"--png={png}"]), (0, ""))
+    with open(png, "rb") as f:
+      head = f.read(24)
+    self.assertEqual(head[:8], b"\x89PNG\r\n\x1a\n")
+    width = int.from_bytes(head[16:20], "big")
+    self.assertEqual(width, round(2 * 4.6 * 150))  # two panels at 150 dpi
+
+  def test_panels_band_the_seed_range_with_distinct_styles(self):
+    records = self._records(compressors=("dense", "dct", "dct_paper"))
+    rows = quality.summarize(records)
+    path = os.path.join(self.create_tempdir().full_path, "q.png")
+    figs = []
+    with mock.patch.object(plotting, "save", lambda fig, p: (plotting.finish(fig),
+                                                           figs.append(fig))):
+      quality.plot(rows, records, path)
+    (ax,) = figs[0].axes
+    self.assertLen(set(plotting.series_styles(figs[0])[0]), 3)
+    self.assertEqual([ln.get_label() for ln in ax.get_lines()], ["dense", "dct", "dct_paper"])
+    self.assertEqual(list(ax.get_lines()[0].get_ydata()), [0.35, 0.55])  # the seeds' mean
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]
+    self.assertAllClose(sorted(set(band.round(12))), [0.3, 0.4, 0.5, 0.6])  # min..max per step
+    plotting.pyplot().close(figs[0])
 
 
 @pytest.mark.slow(seconds=17)  # one tiny training run per optimizer
