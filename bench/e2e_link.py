@@ -702,6 +702,7 @@ def summarize(raw: dict, rate_bps: float) -> dict:
       "mp_bytes": w[0]["per_step"].get("mp_bytes", 0),
       "mp_dense_bytes": w[0]["per_step"].get("mp_dense_bytes", 0),
       "test_loss": w[0]["eval"]["loss"], "test_auc": w[0]["eval"].get("auc"),
+      **_train_tail(w[0].get("losses")),
       "eval_workers_agree": all(abs(x["eval"]["loss"] - w[0]["eval"]["loss"]) < 1e-6
                                 for x in w),
       "density": w[0].get("last_density"),
@@ -709,6 +710,23 @@ def summarize(raw: dict, rate_bps: float) -> dict:
       "table_entries": w[0]["table_entries"], "num_parameters": w[0]["num_parameters"],
       "wall_seconds": raw["wall_seconds"],
   }
+
+
+# The training loss is compared over the last TAIL of the steps: the test loss
+# after a short run moves by several percent with small changes in what is
+# sent, the mean training loss over many steps far less.
+TAIL = 0.6
+
+
+def _train_tail(losses) -> dict:
+  """Worker 0's mean training loss over the last `TAIL` of its steps
+  (`train_loss_tail`, None without losses) and that window's steps."""
+  if not losses:
+    return {"train_loss_tail": None, "tail_steps": None}
+  start = int(len(losses) * (1 - TAIL))
+  tail = losses[start:]
+  return {"train_loss_tail": statistics.mean(tail),
+          "tail_steps": f"{start + 1}-{len(losses)}"}
 
 
 def _mb(x: float) -> str:
@@ -740,7 +758,7 @@ def report(rows: list[dict], args: argparse.Namespace, shaping: Shaping,
         "| MP MB/step would cross (dense) |", file=out)
   print("|" + "---|" * 17, file=out)
   verdict = {"step_ratio": {}, "loss_rel": {}, "step_ratio_dense": {},
-             "loss_rel_dense": {}, "agreement": {}}
+             "loss_rel_dense": {}, "train_rel": {}, "agreement": {}}
   x = lambda v: "-" if v is None else f"{v:.3f}x"
   pct = lambda v: "-" if v is None else f"{100 * v:+.3f}%"
   for r in rows:
@@ -750,6 +768,9 @@ def report(rows: list[dict], args: argparse.Namespace, shaping: Shaping,
     if native and r is not native:
       verdict["step_ratio"][r["config"]] = ratio
       verdict["loss_rel"][r["config"]] = rel
+      if r.get("train_loss_tail") and native.get("train_loss_tail"):
+        verdict["train_rel"][r["config"]] = (
+            r["train_loss_tail"] / native["train_loss_tail"] - 1)
     if dense and r is not dense:
       verdict["step_ratio_dense"][r["config"]] = ratio_d
       verdict["loss_rel_dense"][r["config"]] = rel_d
@@ -772,6 +793,10 @@ def report(rows: list[dict], args: argparse.Namespace, shaping: Shaping,
     if name in verdict["step_ratio"]:
       parts.append(f"step time {verdict['step_ratio'][name]:.3f}x native (stock "
                    f"TF), test loss {pct(verdict['loss_rel'][name])} vs native")
+      if name in verdict["train_rel"]:
+        row = next(r for r in rows if r["config"] == name)
+        parts.append(f"training loss over steps {row['tail_steps']} "
+                     f"{pct(verdict['train_rel'][name])} vs native")
     if name in verdict["step_ratio_dense"]:
       parts.append(f"{verdict['step_ratio_dense'][name]:.3f}x dense (densified "
                    f"all-reduce), {pct(verdict['loss_rel_dense'][name])} vs dense")

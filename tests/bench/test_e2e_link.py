@@ -471,6 +471,11 @@ def test_counters_and_summary_arithmetic():
          "before": [{"tx_bytes": 0, "tx_packets": 0, "qdisc_drops": 0}] * 2,
          "after": [{"tx_bytes": 4.4e6, "tx_packets": 4000, "qdisc_drops": 0}] * 2}
   row = e2e_link.summarize(raw, rate_bps=1e8)
+  assert row["train_loss_tail"] is None  # these workers report no losses
+  raw["workers"][0]["losses"] = [5.0, 4.0, 3.0, 2.0, 1.0]
+  tail = e2e_link.summarize(raw, rate_bps=1e8)
+  assert tail["train_loss_tail"] == pytest.approx(2.0)  # steps 3-5
+  assert tail["tail_steps"] == "3-5"
   assert row["step_ms"] == pytest.approx(500.0)
   assert row["wire_bytes"] == pytest.approx(1.1e6)
   assert row["wire_over_acct"] == pytest.approx(1.1)
@@ -507,6 +512,13 @@ def test_report_ratios_vs_native_first():
   assert cells[9] == "2.000x"  # stock / accounting
   assert ("- dctdp: step time 0.800x native (stock TF), test loss +2.000% vs "
           "native; 0.200x dense (densified all-reduce), +2.000% vs dense") in text
+  # The training loss over the last 60% of the steps, against native's.
+  rows[0].update(train_loss_tail=0.4, tail_steps="41-100")
+  rows[2].update(train_loss_tail=0.404, tail_steps="41-100")
+  out = io.StringIO()
+  verdict = e2e_link.report(rows, e2e_link.parse_args([]), shaping, out)
+  assert verdict["train_rel"] == {"dctdp": pytest.approx(0.01)}
+  assert "training loss over steps 41-100 +1.000% vs native" in out.getvalue()
   # Without native the ratios against it are "-", and the report says so.
   out = io.StringIO()
   verdict = e2e_link.report(rows[1:], e2e_link.parse_args([]), shaping, out)
