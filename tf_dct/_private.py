@@ -44,12 +44,20 @@ def first_local_replica_id(strategy: tf.distribute.Strategy) -> int:
   return int(rank) * len(strategy.extended.worker_devices)
 
 
+def num_workers(strategy: tf.distribute.Strategy) -> int:
+  """Worker processes the replicas of `strategy` span (1 on a single worker).
+
+  Reads `CollectiveAllReduceExtended._num_workers` (MultiWorkerMirrored);
+  strategies without it (Mirrored, one process) count as one worker.
+  """
+  return int(getattr(strategy.extended, "_num_workers", 1))
+
+
 def input_context(strategy: tf.distribute.Strategy) -> tf.distribute.InputContext:
   """The `InputContext` of this worker's input pipeline."""
-  num_workers = int(getattr(strategy.extended, "_num_workers", 1))
   rank = int(getattr(strategy.extended, "_id_in_cluster", 0))
   return tf.distribute.InputContext(
-      num_input_pipelines=num_workers, input_pipeline_id=rank,
+      num_input_pipelines=num_workers(strategy), input_pipeline_id=rank,
       num_replicas_in_sync=strategy.num_replicas_in_sync)
 
 

@@ -65,7 +65,8 @@ def test_every_listed_compressor_is_built_as_named():
 def test_wire_capacity_prices_what_each_compressor_sends():
   # The index-bits table needs each compressor's wire slots: they give the
   # gather bytes the compressor itself reports, for a few variable sizes;
-  # compressors that do not use sparse_wire have none.
+  # compressors that do not use sparse_wire have none (and no exact-size
+  # twin run).
   script = (
       "import json\n"
       "import tensorflow as tf\n"
@@ -80,12 +81,14 @@ def test_wire_capacity_prices_what_each_compressor_sends():
       "    rows.append(None if cap is None else [\n"
       "        sparse_wire.wire_bytes(n, cap, tf.float32),\n"
       "        c.compressed_bytes(tf.Variable(tf.zeros([n])))[0]])\n"
-      "  out[name] = rows\n"
+      "  out[name] = rows + [b.exchanges_sparse_wire(name)]\n"
       "print(json.dumps(out))\n")
   priced = _json_of(script)
   on_wire = {"DCTDP(L=1000)", "DCTDP(L=1000,cf=1)", "DCTDP(L=1000,min=1024)",
              "DCTDP(L=1)", "TopK", "HardThreshold"}
   for name, rows in priced.items():
+    # The same compressors get a twin run with exact sizes forced.
+    assert rows.pop() == (name in on_wire), name
     if name in on_wire:
       assert all(ours == theirs for ours, theirs in rows), (name, rows)
     else:

@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_dct
+from tf_dct import _private
 from tf_dct.compression import native, sparse_wire
 from tests import util
 from tests.compression import test_native
@@ -455,6 +456,34 @@ class ExchangeTest(tf.test.TestCase, parameterized.TestCase):
     streams = len(exact[0][3])
     self.assertEqual(sum(float(b) for b in exact[0][2]),
                      sum(fixed[0][2]) + 4 * (len(specs) + 1) + 4 * streams)
+
+  def test_one_worker_sends_the_fixed_capacity_by_default(self):
+    # The replicas of one process span one worker: exact=None sends every
+    # buffer at its capacity (the payload reported is `wire_bytes`, a Python
+    # int); exact=True forces the used slots only (a float64 tensor).
+    repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"])
+    self.assertEqual(_private.num_workers(repl), 1)
+    idx, val = [0, 5, 40, 40], [1.0, 2.0, 0.0, 0.0]
+
+    def fn(exact):
+      ctx = tf.distribute.get_replica_context()
+      buffers = [(tf.constant(idx, tf.int32), tf.constant(val), 40)]
+      sums, sent = sparse_wire.exchange_many(ctx, buffers, presorted=True,
+                                             payload=True, exact=exact)
+      return sums[0], tf.cast(sent[0], tf.float64)
+
+    default, forced = (util.local(repl, tf.function(
+        lambda e=e: repl.run(fn, args=(e,)))()) for e in (None, True))
+    expected = np.zeros(40, np.float32)
+    expected[[0, 5]] = [2.0, 4.0]
+    for r in range(2):
+      self.assertAllEqual(default[r][0], expected)
+      self.assertAllEqual(forced[r][0], expected)
+      self.assertEqual(default[r][1], sparse_wire.wire_bytes(40, 4, tf.float32))
+      # 2 used slots: their index words and values, the counts header and
+      # TensorFlow's length word.
+      words = exact_index_words(sparse_wire.make_encoding("auto", 40, 4), 2)
+      self.assertEqual(float(forced[r][1]), 4 * (words + 2 + 2) + 4)
 
   def test_compiles_with_xla_on_one_replica(self):
     repl = tf_dct.Replicator(["/cpu:0"], jit_compile=True)

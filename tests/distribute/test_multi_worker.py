@@ -31,6 +31,7 @@ import multi_worker_util  # pylint: disable=g-import-not-at-top,wrong-import-pos
 
 import tf_dct  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct import compression  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_dct.compression import sparse_wire  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tests import conservation  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tf_dct.distribute.multi_worker import validate_tf_config  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -185,6 +186,22 @@ class MultiWorkerTest(tf.test.TestCase):
     rows = [mws.replica_rows(r) for r in range(NUM_REPLICAS)]
     self.assertEqual([len(r) for r in rows], [1, 2])
     self.assertSameOnEveryReplica(records, "axis0", np.concatenate(rows, axis=0))
+
+  def test_sparse_wire_sends_exact_sizes_across_workers(self):
+    records = self.replicas(self.section("sparse_wire_default"))
+    expected = np.zeros(mws.WIRE_N, np.float32)
+    for r in range(NUM_REPLICAS):
+      idx, val = mws.wire_buffer(r)
+      np.add.at(expected, idx[idx < mws.WIRE_N], val[idx < mws.WIRE_N])
+    self.assertSameOnEveryReplica(records, "sum", expected)
+    # Exact sizes: every replica's used index words and values, padded to
+    # the longest, after a header (length, count) and TF's length word.
+    enc = sparse_wire.make_encoding("auto", mws.WIRE_N, mws.WIRE_CAPACITY)
+    longest = max(sparse_wire.sent_index_words(enc, u) + u for u in mws.WIRE_USED)
+    for rec in records:
+      self.assertEqual(float(rec["sent"]), 4 * (longest + 2) + 4)
+      self.assertLess(float(rec["sent"]), sparse_wire.wire_bytes(
+          mws.WIRE_N, mws.WIRE_CAPACITY, tf.float32))
 
   def test_broadcast(self):
     records = self.replicas(self.section("broadcast"))

@@ -238,6 +238,7 @@ class Compressor(tf.Module):
     # compiles with XLA; False: never (e.g. under your own jit_compile).
     self.time_selection = None
     self.variable_summaries = True
+    self.exact_sizes = None
     # Momentum correction (`momentum_correction`): 0.0 off; None until a
     # Keras adapter takes it from a momentum SGD optimizer. Only compressors
     # with an error-feedback residual offer it (`_init_momentum`).
@@ -502,6 +503,8 @@ class Compressor(tf.Module):
       if not key.startswith("_") and isinstance(
           value, (bool, int, float, str, tuple, type(None))):
         out[key] = list(value) if isinstance(value, tuple) else value
+    # Exact sizes change the collectives' shapes: every worker must agree.
+    out["exact_sizes"] = self.exact_sizes
     return out
 
   # -- to override --------------------------------------------------------------
@@ -623,6 +626,36 @@ class Compressor(tf.Module):
                       "or a callable returning a boolean, got "
                       f"{type(value).__name__}")
     self._variable_summaries = value
+
+  # Whether the compressor exchanges packed buffers through
+  # `sparse_wire.exchange_many` (what `exact_sizes` acts on).
+  exchanges_sparse_wire: bool = False
+
+  @property
+  def exact_sizes(self):
+    """Whether each replica sends only its used wire slots (exact sizes).
+
+    For compressors that exchange packed buffers through `sparse_wire`
+    (`exchanges_sparse_wire`: DCTDP, TopK, HardThreshold). None (default):
+    exact sizes where the replicas span more than one worker, outside XLA;
+    the fixed capacity on one worker, where bytes are cheap and the
+    exact-size exchange's extra work costs step time, and under XLA.
+    True: exact sizes on one worker too (what would cross a network; an
+    error under XLA). False: the fixed capacity everywhere. The sums are
+    the same bits either way; the accounting reports the bytes sent
+    (`sparse_wire.exchange_many`'s `exact`).
+    """
+    return self._exact_sizes
+
+  @exact_sizes.setter
+  def exact_sizes(self, value) -> None:
+    if value is not None and not isinstance(value, bool):
+      raise ValueError(f"{type(self).__name__}: exact_sizes must be None, True or "
+                       f"False, got {value!r}")
+    if value is not None and not self.exchanges_sparse_wire:
+      raise ValueError(f"{type(self).__name__}: exact_sizes must be None (it "
+                       f"exchanges no sparse_wire buffers), got {value!r}")
+    self._exact_sizes = value
 
   def residual_norm(self) -> tf.Tensor | None:
     """The L2 norm of the calling replica's error-feedback residuals.

@@ -51,6 +51,9 @@ class CLTK(error_feedback_compressor.ErrorFeedbackCompressor):
       `ErrorFeedbackCompressor`.
   """
 
+  # The leader's positions and the values go through all-reduces instead.
+  exchanges_sparse_wire = False
+
   def __init__(self, density: float = 0.01, min_size: int = 0,
                warmup_steps: int = 0, name: str | None = None,
                exclude: Sequence[str] = (), sparse_gradients: str = "auto",

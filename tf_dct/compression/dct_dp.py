@@ -356,6 +356,8 @@ class DCTDP(Compressor):
   docs/dct_dp.md states the exact conventions.
   """
 
+  exchanges_sparse_wire = True
+
   # Ops of the selection or its wire (e.g. tf.math.top_k) lack bfloat16 kernels.
   supported_dtypes = ("float16", "float32", "float64")
 
@@ -540,7 +542,8 @@ class DCTDP(Compressor):
           ctx, [(idx, val, n) for _, idx, val, n, _ in sparse_items],
           encoding=self.index_encoding, presorted=True, nnz=counted,
           use_native=self.native is not False,
-          batch_capacity=self.batch_capacity, payload=True)
+          batch_capacity=self.batch_capacity, payload=True,
+          exact=self.exact_sizes)
       summed, nnzs, sent_bytes = (
           exchanged if counted
           else (exchanged[0], [None] * len(exchanged[0]), exchanged[1]))

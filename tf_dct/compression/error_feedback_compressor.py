@@ -87,6 +87,9 @@ class ErrorFeedbackCompressor(Compressor):
       by default).
   """
 
+  # The union exchange (`_exchange`) goes through `sparse_wire.exchange_many`.
+  exchanges_sparse_wire = True
+
   # Further per-variable scalars of the state, of the variable's dtype;
   # `_select` returns their new values in `extra` on every step.
   _extra_state_keys: tuple = ()
@@ -244,7 +247,8 @@ class ErrorFeedbackCompressor(Compressor):
     # counted on the results instead (`_report`), not here too.
     counted = not self.in_graph_warmup
     exchanged = sparse_wire.exchange_many(ctx, buffers, presorted=True,
-                                          nnz=counted, payload=True)
+                                          nnz=counted, payload=True,
+                                          exact=self.exact_sizes)
     summed, nnzs, sent_bytes = (
         exchanged if counted
         else (exchanged[0], [None] * len(exchanged[0]), exchanged[1]))

@@ -913,9 +913,14 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
       None: `BATCH_CAPACITY`. The sums are the same either way.
     payload: also return the bytes this replica put on the wire per vector.
     exact: send each replica's used slots only (`_gather_exact`) instead of
-      every buffer's full capacity. None (default): exact outside XLA, the
-      fixed capacity under XLA (and so on TPU), where shapes must be static
-      (True there is an error). The sums are the same bits either way.
+      every buffer's full capacity. None (default): exact sizes where the
+      replicas span more than one worker and the exchange runs outside XLA;
+      the fixed capacity on one worker (bytes between devices of one
+      machine are cheap, and the exact-size exchange costs step time: a
+      header of counts, TensorFlow's padded gather of differing lengths,
+      and a decode) and under XLA (and so on TPU), where shapes must be
+      static (True there is an error). The sums are the same bits either
+      way.
 
   Returns:
     Per vector, the dense length-n sum over replicas (same on every replica);
@@ -955,8 +960,6 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     raise ValueError("exchange_many: exact must be None or False under XLA, got True "
                      "(exact sizes vary per step; XLA needs static shapes)")
   buffers = list(buffers)
-  if exact is None:
-    exact = not in_xla
 
   def result(sums, counts, sent):
     return ((sums,) + ((counts,) if nnz else ()) + ((sent,) if payload else ())
@@ -964,6 +967,8 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
 
   if not buffers:
     return result([], [], [])
+  if exact is None:
+    exact = not in_xla and _private.num_workers(ctx.strategy) > 1
   encs, idxs, vals = [], [], []
   for idx, val, n in buffers:
     enc = make_encoding(encoding, n, idx.shape[0])
