@@ -25,7 +25,8 @@ Reported per (model, optimizer, compressor), means over the seeds:
             catches up.
   payload   dense bytes / sent bytes of what a replica contributes per step
             (`Job.communication()["payload_ratio"]`: values, indices and
-            padding counted), whole model; and the same over the dense
+            padding counted; sparse payloads at exact sizes, as they cross
+            a network), whole model; and the same over the dense
             (non-embedding) layers only: the variables whose name does not
             contain "embedding", from `communication_stats()["variables"]`.
 
@@ -206,7 +207,12 @@ def build_compressor(spec: str):
   accepted = inspect.signature(cls).parameters
   notes = [f"{cls.__name__} takes no {key}= here: {spec} runs without it"
            for key in kwargs if key not in accepted]
-  return (cls(**{k: v for k, v in kwargs.items() if k in accepted}), compression, notes)
+  compressor = cls(**{k: v for k, v in kwargs.items() if k in accepted})
+  if compressor.exchanges_sparse_wire:
+    # The replicas share one machine here, where sparse payloads default to
+    # the fixed capacity; report the exact sizes that would cross a network.
+    compressor.exact_sizes = True
+  return compressor, compression, notes
 
 
 # --- one run ---------------------------------------------------------------------

@@ -297,6 +297,7 @@ class FlagsTest(parameterized.TestCase):
     comp, _, notes = quality.build_compressor("dct_paper")  # Algorithm 1: no guard
     self.assertEqual((type(comp).__name__, comp.density_band, comp.min_count, notes),
                      ("DCTDP", None, 0, []))
+    self.assertIs(comp.exact_sizes, True)  # payloads priced as across a network
     comp, compression, notes = quality.build_compressor("topk+density=0.05")
     self.assertEqual((type(comp).__name__, compression, comp.density), ("TopK", "topk", 0.05))
     self.assertEqual(notes, [])
