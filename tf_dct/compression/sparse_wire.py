@@ -18,6 +18,8 @@ log2(n / capacity) + 2 bits per slot; with exact sizes laid out for the
 used slots instead, `_EliasFanoExact`); "auto" takes the fewest words.
 `exchange_many` sends a step's buffers in one all-gather and handles
 the short ones (at most `BATCH_CAPACITY` slots) with one set of ops.
+Values travel in their dtype, or as bfloat16 two to an int32 word
+(`round_values`, which keeps the rounding error in the residual).
 docs/compression.md ("The sparse wire format") describes the layouts.
 """
 
@@ -1002,7 +1004,9 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   Args:
     ctx: the replica context of the calling replica.
     buffers: `(idx, val, n)` per vector: positions (padding = n) and values of
-      one static length, e.g. as produced by `compact`.
+      one static length, e.g. as produced by `compact`. bfloat16 values
+      (`round_values`) travel two to an int32 word and are summed in
+      float32: their sums are float32.
     encoding: index layout for every vector, "auto" (per vector, see
       `choose_encoding`) or one of `ENCODINGS`.
     presorted: True promises increasing positions with the padding last (the
