@@ -28,7 +28,8 @@ Prints:
     fixed capacity; the last payload column). Then, for the
     compressors on `sparse_wire`, the index bits per sent entry of the last
     step under "auto" (as run), the best of int32 / chunk16 / chunk8, "ef",
-    and the floor log2(N/k) + 1.44.
+    and the floor log2(N/k) + 1.44, and the value bits per sent entry
+    (32, or 16 with `value_dtype="bfloat16"`: the "bf16" names).
 (b) achieved density nnz(aggregate) / N per compressor: real replicas at
     n = 2 and 4 (the same training runs), and a numpy simulation at n = 2, 4,
     8, 16 of each algorithm with error feedback on real per-replica gradients
@@ -110,8 +111,9 @@ DENSITY = 0.01
 BOTTOM = [512, 256, 64, 16]
 TOP = [512, 256, 128, 1]
 DENSE_IN, INTER = 13, 351          # 16 + 351 = 367 top-MLP input
-NAMES = ["Dense", "DCTDP(L=1000)", "DCTDP(L=1000,cf=1)", "DCTDP(L=1000,min=1024)",
-         "DCTDP(L=1)", "DEFT", "TopK", "CLTK", "HardThreshold"]
+NAMES = ["Dense", "DCTDP(L=1000)", "DCTDP(L=1000,bf16)", "DCTDP(L=1000,cf=1)",
+         "DCTDP(L=1000,min=1024)", "DCTDP(L=1)", "DEFT", "TopK", "TopK(bf16)",
+         "CLTK", "HardThreshold"]
 # Timed only when asked for (--step_time_only --compressors=...): DCT-DP with
 # stock TensorFlow ops instead of the native kernels, for an A/B in one run;
 # DCT-DP held in its dense warm-up phase (a warm-up longer than any run),
@@ -179,6 +181,12 @@ def make_compressor(name, lam):
           "DCTDP(L=1000,min=1024)": lambda: compression.DCTDP(
               0.99, threshold_life=1000, min_size=1024),
           "DCTDP(L=1)": lambda: compression.DCTDP(0.99, threshold_life=1),
+          # bf16: values travel as bfloat16, two to a word, the rounding
+          # error kept in the residual (`value_dtype`).
+          "DCTDP(L=1000,bf16)": lambda: compression.DCTDP(
+              0.99, threshold_life=1000, value_dtype="bfloat16"),
+          "TopK(bf16)": lambda: compression.TopK(DENSITY,
+                                                 value_dtype="bfloat16"),
           "DEFT": lambda: compression.DEFT(DENSITY),
           "TopK": lambda: compression.TopK(DENSITY),
           "CLTK": lambda: compression.CLTK(DENSITY),
@@ -463,10 +471,12 @@ def index_bits(run):
   """Index bits per sent entry on the last step, over every exchanged
   variable and replica (exact sizes: the index words that carry more than
   padding): "auto" as run, the best of int32 / chunk16 / chunk8 (auto
-  without "ef"), "ef", and the floor sum c (log2(N / c) + 1.44) / sum c."""
+  without "ef"), "ef", and the floor sum c (log2(N / c) + 1.44) / sum c;
+  and "value", the value bits per sent entry (bfloat16: two to a word, an
+  odd count's filler included)."""
   comp = run.compressor
   stats = comp.communication_stats()["variables"]
-  bits = {"auto": 0, "legacy": 0, "ef": 0}
+  bits = {"auto": 0, "legacy": 0, "ef": 0, "value": 0}
   floor, entries = 0.0, 0
   for v in run.model.trainable_variables:
     n = v.shape.num_elements()
@@ -484,6 +494,8 @@ def index_bits(run):
       c = int(c)
       for key, enc in encs.items():
         bits[key] += 32 * sparse_wire.sent_index_words(enc, c)
+      bits["value"] += 8 * sparse_wire.value_bytes(
+          c, sparse_wire.wire_dtype(v.dtype, comp.value_dtype))
       if c:
         floor += c * (math.log2(n / c) + 1.44)
       entries += c
@@ -497,14 +509,15 @@ def index_bits_report(runs):
   print("\nindex bits per sent entry, last step, n = 4 (exact sizes; floor "
         "log2(N/k) + 1.44 per variable, weighted by entries)")
   print("| compressor | entries / replica | auto (as run) | int32/chunk16/chunk8 "
-        "(auto without ef) | ef | floor |")
-  print("|---|---|---|---|---|---|")
+        "(auto without ef) | ef | floor | value bits |")
+  print("|---|---|---|---|---|---|---|")
   for name, run in runs.items():
     if wire_capacity(run.compressor, 1000) is None:
       continue
     b = index_bits(run)
     print(f"| {name} | {b['entries'] / run.n:.0f} | {b['auto']:.2f} | "
-          f"{b['legacy']:.2f} | {b['ef']:.2f} | {b['floor']:.2f} |")
+          f"{b['legacy']:.2f} | {b['ef']:.2f} | {b['floor']:.2f} | "
+          f"{b['value']:.2f} |")
 
 
 def selection_report(g0, sizes, sel_rep):

@@ -79,17 +79,22 @@ def test_wire_capacity_prices_what_each_compressor_sends():
       "  for n in (2000, 131072):\n"
       "    cap = b.wire_capacity(c, n)\n"
       "    rows.append(None if cap is None else [\n"
-      "        sparse_wire.wire_bytes(n, cap, tf.float32),\n"
+      "        sparse_wire.wire_bytes(n, cap, sparse_wire.wire_dtype(\n"
+      "            tf.float32, c.value_dtype)),\n"
       "        c.compressed_bytes(tf.Variable(tf.zeros([n])))[0]])\n"
       "  out[name] = rows + [b.exchanges_sparse_wire(name)]\n"
       "print(json.dumps(out))\n")
   priced = _json_of(script)
-  on_wire = {"DCTDP(L=1000)", "DCTDP(L=1000,cf=1)", "DCTDP(L=1000,min=1024)",
-             "DCTDP(L=1)", "TopK", "HardThreshold"}
+  on_wire = {"DCTDP(L=1000)", "DCTDP(L=1000,bf16)", "DCTDP(L=1000,cf=1)",
+             "DCTDP(L=1000,min=1024)", "DCTDP(L=1)", "TopK", "TopK(bf16)",
+             "HardThreshold"}
   for name, rows in priced.items():
     # The same compressors get a twin run with exact sizes forced.
     assert rows.pop() == (name in on_wire), name
     if name in on_wire:
       assert all(ours == theirs for ours, theirs in rows), (name, rows)
+      if "bf16" in name:  # two bytes a value: fewer than the float32 twin
+        twin = priced[name.replace(",bf16", "").replace("(bf16)", "")]
+        assert all(ours[0] < theirs[0] for ours, theirs in zip(rows, twin))
     else:
       assert rows == [None, None], name

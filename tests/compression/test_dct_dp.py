@@ -110,6 +110,39 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
     if "min_size" not in extra:
       self.assertGreater(overflow.max(), 0)
 
+  @parameterized.named_parameters(("native", None), ("stock", False))
+  def test_bfloat16_values_match_reference(self, native):
+    # One step from zero residuals: the selection is Algorithm 1's; each
+    # sent value travels rounded to bfloat16 (nearest even), the update is
+    # the float32 sum of those in replica order, and the rounding error
+    # stays in the residual where the value was sent.
+    replicas = 2
+    kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5,
+                  min_count=0)
+    grads = harness.gradients(1, replicas, seed=5)
+    *_, history = harness.run(
+        DCTDP(density_band=None, native=native, value_dtype="bfloat16",
+              **kwargs), grads, replicas)
+    out, states = history[0]
+    for v, shape in enumerate(SHAPES):
+      ref = reference.dct_dp_reference([[g[v] for g in grads[0]]], **kwargs)[0]
+      update = np.zeros(int(np.prod(shape)), np.float32)
+      for r in range(replicas):
+        acc = np.asarray(grads[0][r][v], np.float32).reshape(-1)
+        mask = np.asarray(ref.masks[r]).reshape(-1)
+        bits = acc.view(np.uint32).astype(np.uint64)
+        up = ((bits & 0xFFFF) > 0x8000) | (((bits & 0xFFFF) == 0x8000)
+                                            & ((bits >> 16) & 1 == 1))
+        sent = (((bits >> 16) + up).astype(np.uint32) << 16).view(np.float32)
+        update = update + np.where(mask, sent, np.float32(0))
+        want = np.asarray(ref.residuals[r]).reshape(-1) + np.where(
+            mask, acc - sent, np.float32(0))
+        self.assertAllEqual(states[v]["residual"][r].reshape(-1), want)
+        self.assertEqual(states[v]["sent"][r], mask.sum())
+      self.assertGreater(np.count_nonzero(update), 0)
+      for r in range(replicas):
+        self.assertAllEqual(out[r][v].reshape(-1), update)
+
   def test_capacity_overflow_keeps_the_rest(self):
     # Step 0 sets tau from small gradients; tau is reused (life 100) when
     # step 1 brings gradients far above it everywhere.
@@ -169,6 +202,15 @@ class ConservationTest(tf.test.TestCase):
     self.assertNotAllClose(residuals[0][0], residuals[0][1])
     self.assertAllEqual(residuals[3], np.zeros((4, 1)))
 
+  def test_conservation_with_bfloat16_values(self):
+    # The rounding error of each bfloat16 value stays in the residual, so
+    # nothing is lost; the restore brings the residuals back exactly.
+    residuals = harness.check_conservation(
+        self, DCTDP(sparsity=0.9, threshold_life=7, capacity_factor=1.5,
+                    min_count=8, value_dtype="bfloat16"),
+        steps=40, layers=conservation.TWO_LAYERS)
+    self.assertNotAllClose(residuals[0][0], residuals[0][1])
+
 
 class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
 
@@ -196,6 +238,12 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
        "threshold_max_factor must be a number > 1"),
       ("max_factor_inf", {"threshold_max_factor": float("inf")},
        "threshold_max_factor"),
+      ("value_dtype_float16", {"value_dtype": "float16"},
+       "DCTDP: value_dtype must be None \\(the variable's dtype\\) or "
+       "'bfloat16', got 'float16'"),
+      ("value_dtype_masking", {"value_dtype": "bfloat16",
+                               "momentum_masking": True},
+       "DCTDP: value_dtype must be None with momentum_masking=True"),
   )
   def test_bad_argument(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):

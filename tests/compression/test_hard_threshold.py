@@ -75,6 +75,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("min_size_negative", {"threshold": 1.0, "min_size": -3},
        "min_size must be an int >= 0"),
       ("warmup_str", {"threshold": 1.0, "warmup_steps": "2"}, "warmup_steps"),
+      ("value_dtype", {"threshold": 1.0, "value_dtype": "bf16"},
+       "HardThreshold: value_dtype must be None \\(the variable's dtype\\) "
+       "or 'bfloat16', got 'bf16'"),
   )
   def test_bad_argument(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):

@@ -858,3 +858,175 @@ class EncodingTest(tf.test.TestCase, parameterized.TestCase):
 
 if __name__ == "__main__":
   tf.test.main()
+
+
+def _np_bfloat16_bits(x, tiny=True):
+  """uint16 bits of float32 `x` rounded to bfloat16, nearest even: the upper
+  16 bits of x plus one where the lower 16 exceed half, or equal it and the
+  upper half is odd (finite values only); with `tiny`, 0 below
+  `sparse_wire.TINY` (`round_values`)."""
+  bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  upper, lower = bits >> 16, bits & 0xFFFF
+  up = (lower > 0x8000) | ((lower == 0x8000) & (upper & 1 == 1))
+  out = (upper + up).astype(np.uint16)
+  if not tiny:
+    return out
+  return np.where(np.abs(np.asarray(x, np.float32)) < sparse_wire.TINY, 0, out
+                  ).astype(np.uint16)
+
+
+def _np_bfloat16_value(bits):
+  """float32 of uint16 bfloat16 bits."""
+  return (np.asarray(bits, np.uint32) << 16).view(np.float32)
+
+
+def _tricky_floats(size, seed):
+  """float32 values that exercise the rounding: exact ties (even and odd
+  upper halves), just above / below a tie, values that carry into the
+  exponent, tiny normals and subnormals, negatives and zero."""
+  rng = np.random.default_rng(seed)
+  upper = rng.integers(0x0001, 0x7F00, size).astype(np.uint32)
+  lower = rng.choice([0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF], size).astype(np.uint32)
+  sign = rng.choice([0, 1], size).astype(np.uint32) << 31
+  x = (sign | (upper << 16) | lower).view(np.float32)
+  # Zero, a subnormal, a normal whose error would be subnormal, either side
+  # of TINY, and a tie that carries into the exponent.
+  x[:6] = [0.0, 1e-40, -3e-37, np.float32(2.0**-103), -np.float32(2.0**-103)
+           * np.float32(1 - 2.0**-20), np.float32(2.0 - 2.0**-8)]
+  return x
+
+
+class ValueWordTest(tf.test.TestCase, parameterized.TestCase):
+  """bfloat16 values, two to an int32 word, with their error in the residual."""
+
+  def test_round_values_matches_numpy_and_keeps_the_error(self):
+    n, cap = 300, 64
+    rng = np.random.default_rng(2)
+    idx = np.r_[np.sort(rng.choice(n, cap - 5, replace=False)),
+                np.full(5, n)].astype(np.int32)
+    val = np.r_[_tricky_floats(cap - 5, 3), np.zeros(5)].astype(np.float32)
+    residual = rng.normal(size=n).astype(np.float32)
+    residual[idx[:-5]] = 0  # sent entries leave a zero residual
+    word, kept = sparse_wire.round_values(tf.constant(idx), tf.constant(val),
+                                          tf.constant(residual), "bfloat16")
+    self.assertEqual(word.dtype, tf.bfloat16)
+    want = _np_bfloat16_bits(val)
+    self.assertAllEqual(tf.bitcast(word, tf.uint16), want)
+    # What is held back plus what is sent is the value, to the bit.
+    want_kept = residual.copy()
+    want_kept[idx[:-5]] = val[:-5] - _np_bfloat16_value(want[:-5])
+    self.assertAllEqual(kept, want_kept)
+    sent = _np_bfloat16_value(want[:-5])
+    self.assertAllEqual(want_kept[idx[:-5]] + sent, val[:-5])
+    # None, and dtypes other than float32, pass through.
+    for value_dtype, dtype in ((None, np.float32), ("bfloat16", np.float64)):
+      same, same_res = sparse_wire.round_values(
+          tf.constant(idx), tf.constant(val.astype(dtype)),
+          tf.constant(residual.astype(dtype)), value_dtype)
+      self.assertEqual(same.dtype, dtype)
+      self.assertAllEqual(same, val.astype(dtype))
+      self.assertAllEqual(same_res, residual.astype(dtype))
+
+  def test_packing_is_bit_exact_two_to_a_word(self):
+    val = _tricky_floats(7, 5)
+    bits = _np_bfloat16_bits(val, tiny=False)  # tf.cast: plain rounding
+    words = sparse_wire._pack_halves(tf.cast(tf.constant(val), tf.bfloat16))  # pylint: disable=protected-access
+    padded = np.r_[bits, 0].astype(np.uint32)  # an odd count: a zero fills
+    want = (padded[0::2] | (padded[1::2] << 16)).view(np.int32)
+    self.assertAllEqual(words, want)
+    # Blocks of 3, 4 and 1 slots one after another, 2 rows.
+    caps = [3, 4, 1]
+    blocks = [tf.cast(tf.constant(v), tf.bfloat16) for v in np.split(
+        _tricky_floats(16, 6), [3, 7, 8])[:3]]
+    row = tf.concat([sparse_wire._pack_halves(b) for b in blocks], 0)  # pylint: disable=protected-access
+    self.assertEqual(row.shape[0], 2 + 2 + 1)
+    floats = sparse_wire._unpack_halves(tf.stack([row, row]), caps)  # pylint: disable=protected-access
+    self.assertEqual(floats.dtype, tf.float32)
+    want = np.concatenate([tf.cast(b, tf.float32).numpy() for b in blocks])
+    self.assertAllEqual(floats, [want, want])
+
+  def test_value_bytes(self):
+    self.assertEqual(sparse_wire.value_bytes(7, tf.bfloat16), 16)
+    self.assertEqual(sparse_wire.value_bytes(8, tf.bfloat16), 16)
+    self.assertEqual(sparse_wire.value_bytes(7, tf.float32), 28)
+    self.assertEqual(sparse_wire.wire_bytes(1000, 10, tf.bfloat16), 12 + 20)
+    self.assertEqual(sparse_wire.wire_dtype(tf.float32, "bfloat16"), tf.bfloat16)
+    self.assertEqual(sparse_wire.wire_dtype(tf.float64, "bfloat16"), tf.float64)
+    self.assertEqual(sparse_wire.wire_dtype(tf.float32, None), tf.float32)
+
+  @parameterized.named_parameters(
+      ("float16", "float16"), ("float32", "float32"), ("dtype", tf.bfloat16),
+      ("bool", True))
+  def test_bad_value_dtype(self, value_dtype):
+    with self.assertRaisesRegex(
+        ValueError, r"^X: value_dtype must be None \(the variable's dtype\) or "
+        r"'bfloat16', got "):
+      sparse_wire.check_value_dtype("X", value_dtype)
+
+  @parameterized.named_parameters(("stock_batched", None), ("one_by_one", 0))
+  def test_exchange_sums_in_float32_fixed_and_exact(self, batch_capacity):
+    # Short (batched) and long buffers, odd and even capacities, beside a
+    # float32 vector; replicas using none, all, a third and one slot. The
+    # sums are the float32 sums of the bfloat16 values in replica order, to
+    # the bit, at fixed capacity and with exact sizes; the bytes count two
+    # per value, a filler for an odd count included.
+    replicas = util.NUM_CPUS
+    rng = np.random.default_rng(8)
+    specs = [(3000, 201, tf.bfloat16), (400, 21, tf.bfloat16),
+             (500, 30, tf.float32), (90, 8, tf.bfloat16)]
+    used = [[0] * 4, [cap for _, cap, _ in specs],
+            [cap // 3 for _, cap, _ in specs], [1] * 4]
+    data = [[(np.r_[np.sort(rng.choice(n, u, replace=False)),
+                    np.full(cap - u, n)].astype(np.int32),
+              np.r_[rng.normal(size=u), np.zeros(cap - u)].astype(np.float32))
+             for (n, cap, _), u in zip(specs, used[r])] for r in range(replicas)]
+    repl = tf_dct.Replicator([f"/cpu:{i}" for i in range(replicas)])
+
+    def fn(exact):
+      ctx = tf.distribute.get_replica_context()
+      r = tf.get_static_value(ctx.replica_id_in_sync_group)
+      buffers = [(tf.constant(i), tf.cast(tf.constant(v), dtype), n)
+                 for (i, v), (n, _, dtype) in zip(data[r], specs)]
+      return sparse_wire.exchange_many(
+          ctx, buffers, presorted=True, payload=True, exact=exact,
+          batch_capacity=batch_capacity)
+
+    fixed, exact = (util.local(repl, tf.function(
+        lambda e=e: repl.run(fn, args=(e,)))()) for e in (False, True))
+    for t, (n, cap, dtype) in enumerate(specs):
+      want = np.zeros(n, np.float32)
+      for r in range(replicas):
+        idx, val = data[r][t]
+        if dtype == tf.bfloat16:
+          val = _np_bfloat16_value(_np_bfloat16_bits(val))
+        for i, x in zip(idx, val):
+          if i < n:
+            want[i] = np.float32(want[i] + x)
+      enc = sparse_wire.make_encoding("auto", n, cap)
+      for r in range(replicas):
+        self.assertEqual(fixed[r][0][t].dtype, np.float32)
+        self.assertAllEqual(fixed[r][0][t], want)
+        self.assertAllEqual(exact[r][0][t], want)
+        self.assertEqual(fixed[r][1][t],
+                         enc.index_bytes + sparse_wire.value_bytes(cap, dtype))
+        if t:  # the first vector also carries the step's overhead
+          u = used[r][t]
+          self.assertEqual(float(exact[r][1][t]),
+                           4 * exact_index_words(enc, u)
+                           + sparse_wire.value_bytes(u, dtype))
+
+  def test_compiles_with_xla(self):
+    repl = tf_dct.Replicator(["/cpu:0"], jit_compile=True)
+    acc = np.array([0.5, -2.0, 0.1, 3.0, 1.0 + 2.0**-9], np.float32)
+
+    def step_fn(a):
+      ctx = tf.distribute.get_replica_context()
+      idx, val, _, fitted = sparse_wire.compact(a, tf.abs(a) >= 0.5, 3)
+      val, _ = sparse_wire.round_values(idx, val, tf.where(fitted, 0.0, a),
+                                        "bfloat16")
+      return sparse_wire.exchange(ctx, idx, val, 5)
+
+    out = repl.run(step_fn, lambda ctx: tf.data.Dataset.from_tensors(acc).repeat())
+    step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
+    self.assertTrue(step.replicated_step._jit_compile)  # pylint: disable=protected-access
+    self.assertAllEqual(out, [0.5, -2.0, 0.0, 3.0, 0.0])

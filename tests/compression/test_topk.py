@@ -108,6 +108,12 @@ class ConservationTest(tf.test.TestCase):
     self.assertNotAllClose(residuals[0][0], residuals[0][1])
     self.assertAllEqual(residuals[1], np.zeros((4, 3)))  # dense bias
 
+  def test_conservation_with_bfloat16_values(self):
+    residuals = harness.check_conservation(
+        self, TopK(density=0.25, capacity_factor=1.5, min_size=4,
+                   value_dtype="bfloat16"), steps=40)
+    self.assertNotAllClose(residuals[0][0], residuals[0][1])
+
 
 class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
 
@@ -119,6 +125,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("capacity_low", {"capacity_factor": 0.9}, "capacity_factor must be a number >= 1"),
       ("min_size_negative", {"min_size": -1}, "min_size must be an int >= 0"),
       ("warmup_float", {"warmup_steps": 1.0}, "warmup_steps must be an int"),
+      ("value_dtype", {"value_dtype": "half"},
+       "TopK: value_dtype must be None \\(the variable's dtype\\) or "
+       "'bfloat16', got 'half'"),
   )
   def test_bad_argument(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):

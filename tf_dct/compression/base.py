@@ -44,6 +44,7 @@ from tf_dct.compression import adagrad_correction
 from tf_dct.compression import adam_correction
 from tf_dct.compression import error_feedback
 from tf_dct.compression import momentum_correction
+from tf_dct.compression import sparse_wire
 
 
 def state_key(position: int) -> str:
@@ -257,6 +258,9 @@ class Compressor(tf.Module):
     self.adagrad = False
     self.adagrad_accumulator = "factored"
     self._adagrad_hparams = None
+    # What a sparse wire's values travel as (`sparse_wire.round_values`);
+    # None: the variable's dtype. Set by `_init_value_dtype`.
+    self.value_dtype = None
     # The phase the step being traced runs in (`in_phase`); None: decided in
     # the graph, every step.
     self.phase = None
@@ -278,6 +282,16 @@ class Compressor(tf.Module):
                        f"{momentum_masking!r}")
     self.momentum = momentum
     self.momentum_masking = momentum_masking
+
+  def _init_value_dtype(self, value_dtype) -> None:
+    """Validates and sets `value_dtype` (after `_init_momentum`)."""
+    owner = type(self).__name__
+    sparse_wire.check_value_dtype(owner, value_dtype)
+    if value_dtype is not None and self.momentum_masking:
+      raise ValueError(f"{owner}: value_dtype must be None with "
+                       "momentum_masking=True (masking finds the sent entries "
+                       f"by a zero residual), got {value_dtype!r}")
+    self.value_dtype = value_dtype
 
   def _init_adam(self, adam, second_moment, adam_select="normalized",
                  first_moment="replica") -> None:

@@ -273,6 +273,12 @@ class DCTDP(Compressor):
       guard off: Algorithm 1 exactly.
     index_encoding: "auto", "int32", "chunk16", "chunk8" or "ef" (see
       `sparse_wire`).
+    value_dtype: None (default: values travel in the variable's dtype) or
+      "bfloat16": a float32 variable's values travel rounded to bfloat16,
+      two to an int32 word, and each replica keeps the rounding error in
+      its residual (`sparse_wire.round_values`); the sum is taken in
+      float32. Other dtypes are sent as they are. Not with
+      `momentum_masking`, which reads "sent" off a zero residual.
     exclude: regular expressions searched in variable names; matching
       variables are all-reduced as they are (`tf.IndexedSlices` stay sparse
       and are all-gathered) and keep no state, e.g. `("embedding",)` to
@@ -379,7 +385,8 @@ class DCTDP(Compressor):
                fuse_size: int | None = None,
                batch_capacity: int | None = None,
                threshold_gain: float = 0.0,
-               threshold_max_factor: float = 2.0):
+               threshold_max_factor: float = 2.0,
+               value_dtype: str | None = None):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
@@ -408,6 +415,7 @@ class DCTDP(Compressor):
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)
     self._init_adagrad(adagrad, adagrad_accumulator)
+    self._init_value_dtype(value_dtype)
     if index_encoding != "auto" and index_encoding not in sparse_wire.ENCODINGS:
       raise ValueError(f"DCTDP: index_encoding must be 'auto' or one of "
                        f"{sparse_wire.ENCODINGS}, got {index_encoding!r}")
@@ -456,8 +464,9 @@ class DCTDP(Compressor):
     if self._is_dense(variable):
       return 0, n * variable.dtype.size
     cap = capacity(n, self.sparsity, self.capacity_factor, self.min_count)
-    return sparse_wire.wire_bytes(n, cap, variable.dtype,
-                                  self.index_encoding), 0
+    return sparse_wire.wire_bytes(
+        n, cap, sparse_wire.wire_dtype(variable.dtype, self.value_dtype),
+        self.index_encoding), 0
 
   def counter_names(self, variable):
     if self._is_dense(variable):
@@ -621,6 +630,14 @@ class DCTDP(Compressor):
     """
     variables, sizes, caps = group.variables, group.sizes, group.caps
     warm, selected, residuals = group.warm, picked.selected, picked.residuals
+    # The value word: what rounding takes off a value stays in the residual.
+    vals = list(picked.vals)
+    if self.value_dtype is not None:
+      residuals = list(residuals)
+      for v in range(len(sizes)):
+        vals[v], residuals[v] = sparse_wire.round_values(
+            picked.idxs[v], vals[v], tf.reshape(residuals[v], [-1]),
+            self.value_dtype)
     # A warm variable keeps its threshold and sends all n entries densely.
     tau = (picked.tau if warm is None
            else tf.where(warm, group.tau, picked.tau))
@@ -648,8 +665,10 @@ class DCTDP(Compressor):
       if early is not None:
         counters["early_refreshes"] = earlies[v]
       reports.append((dict(
-          gather_bytes=sparse_wire.wire_bytes(sizes[v], caps[v], var.dtype,
-                                              self.index_encoding),
+          gather_bytes=sparse_wire.wire_bytes(
+              sizes[v], caps[v],
+              sparse_wire.wire_dtype(var.dtype, self.value_dtype),
+              self.index_encoding),
           reduce_bytes=sizes[v] * var.dtype.size if self.in_graph_warmup else 0,
           sent=counts[v], threshold=taus[v], selection_seconds=None,  # set by reduce
           counters=counters), warms[v]))
@@ -676,5 +695,5 @@ class DCTDP(Compressor):
         st["scalars"].local().assign(scalars[v])
 
     items = [(i, w, n, var.shape) for i, w, n, var in zip(
-        picked.idxs, picked.vals, sizes, variables)]
+        picked.idxs, vals, sizes, variables)]
     return items, dense_parts, write, reports

@@ -85,6 +85,9 @@ class ErrorFeedbackCompressor(Compressor):
       as DCTDP).
     adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP` (off
       by default).
+    value_dtype: what the union exchange's values travel as, as in `DCTDP`
+      (None: the variable's dtype; "bfloat16": rounded, the rounding error
+      kept in the residual). A subclass with another exchange leaves it None.
   """
 
   # The union exchange (`_exchange`) goes through `sparse_wire.exchange_many`.
@@ -103,7 +106,8 @@ class ErrorFeedbackCompressor(Compressor):
                adagrad: bool | None = False,
                adagrad_accumulator: str = "factored",
                sparse_gradients: str = "auto",
-               dense_gradients: str = "auto"):
+               dense_gradients: str = "auto",
+               value_dtype: str | None = None):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
@@ -111,6 +115,7 @@ class ErrorFeedbackCompressor(Compressor):
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)
     self._init_adagrad(adagrad, adagrad_accumulator)
+    self._init_value_dtype(value_dtype)
     self.min_size = int(self._check("min_size", min_size, numbers.Integral, 0,
                                     False))
     self.warmup_steps = int(self._check("warmup_steps", warmup_steps,
@@ -131,7 +136,8 @@ class ErrorFeedbackCompressor(Compressor):
     n = variable.shape.num_elements()
     if self._is_dense(variable):
       return 0, n * variable.dtype.size
-    return self._exchange_bytes(n, variable.dtype)
+    return self._exchange_bytes(
+        n, sparse_wire.wire_dtype(variable.dtype, self.value_dtype))
 
   def _exchange_bytes(self, n: int, dtype) -> tuple[int, int] | None:
     """(P, M) of an n-entry variable's compressed step (`compressed_bytes`);
@@ -234,10 +240,13 @@ class ErrorFeedbackCompressor(Compressor):
       if it.warm is not None:
         mask = tf.logical_and(mask, tf.logical_not(it.warm))
       idx, val, count, fitted = sparse_wire.compact(it.acc, mask, cap)
-      buffers.append((idx, val, it.n))                 # DEFT Algorithm 1 lines 7-9
       residual = tf.where(fitted, tf.zeros_like(it.acc), it.acc)  # lines 11-12
+      # The value word: what rounding takes off a value stays in the residual.
+      val, residual = sparse_wire.round_values(idx, val, residual,
+                                               self.value_dtype)
+      buffers.append((idx, val, it.n))                 # DEFT Algorithm 1 lines 7-9
       report = dict(
-          gather_bytes=sparse_wire.wire_bytes(it.n, cap, it.acc.dtype),
+          gather_bytes=sparse_wire.wire_bytes(it.n, cap, val.dtype),
           threshold=extra.get("threshold", self._fixed_threshold(it)))
       kept.append((residual, count, selected - count, extra, report))
     kept[0][-1]["selection_seconds"] = accounting.stop_timer(

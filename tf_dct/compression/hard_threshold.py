@@ -42,6 +42,7 @@ class HardThreshold(error_feedback_compressor.ErrorFeedbackCompressor):
     min_size, warmup_steps, name, exclude, sparse_gradients,
       dense_gradients: as in
       `ErrorFeedbackCompressor`.
+    value_dtype: None (default) or "bfloat16", as in `DCTDP`.
   """
 
   # Ops of the selection or its wire (e.g. tf.math.top_k) lack bfloat16 kernels.
@@ -51,10 +52,11 @@ class HardThreshold(error_feedback_compressor.ErrorFeedbackCompressor):
                min_size: int = 0, warmup_steps: int = 0,
                name: str | None = None, exclude: Sequence[str] = (),
                sparse_gradients: str = "auto",
-               dense_gradients: str = "auto"):
+               dense_gradients: str = "auto",
+               value_dtype: str | None = None):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
                      exclude=exclude, sparse_gradients=sparse_gradients,
-                     dense_gradients=dense_gradients)
+                     dense_gradients=dense_gradients, value_dtype=value_dtype)
     self.threshold = float(self._check("threshold", threshold, numbers.Real, 0,
                                        False))
     self.capacity_density = float(self._check(

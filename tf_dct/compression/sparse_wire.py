@@ -18,6 +18,8 @@ log2(n / capacity) + 2 bits per slot; with exact sizes laid out for the
 used slots instead, `_EliasFanoExact`); "auto" takes the fewest words.
 `exchange_many` sends a step's buffers in one all-gather and handles
 the short ones (at most `BATCH_CAPACITY` slots) with one set of ops.
+Values travel in their dtype, or as bfloat16 two to an int32 word
+(`round_values`, which keeps the rounding error in the residual).
 docs/compression.md ("The sparse wire format") describes the layouts.
 """
 
@@ -168,10 +170,112 @@ def choose_encoding(n: int, capacity: int) -> Encoding:
   return min(candidates, key=lambda e: e.words)  # min keeps the first on ties
 
 
+# What the values of a float32 vector travel as (`round_values`): None, the
+# vector's own dtype; "bfloat16", two to an int32 word.
+VALUE_DTYPES = (None, "bfloat16")
+
+
+# Below this magnitude a bfloat16 rounding error of a float32 value may be
+# subnormal (it is a multiple of 2^(e - 23) for a value of exponent e), so
+# `round_values` sends 0 and keeps the value instead.
+TINY = 2.0**-103
+
+
+def check_value_dtype(owner: str, value_dtype) -> str | None:
+  """`value_dtype` if it is one of `VALUE_DTYPES`, else a ValueError naming it."""
+  if not any(value_dtype is d or (isinstance(value_dtype, str) and value_dtype == d)
+             for d in VALUE_DTYPES):
+    raise ValueError(f"{owner}: value_dtype must be None (the variable's dtype) "
+                     f"or 'bfloat16', got {value_dtype!r}")
+  return value_dtype
+
+
+def wire_dtype(dtype, value_dtype: str | None) -> tf.DType:
+  """The dtype a vector of `dtype` sends its values in: bfloat16 for a
+  float32 vector with `value_dtype="bfloat16"`, else `dtype` itself."""
+  dtype = tf.as_dtype(dtype)
+  return (tf.bfloat16 if value_dtype == "bfloat16" and dtype == tf.float32
+          else dtype)
+
+
+def value_bytes(capacity: int, dtype) -> int:
+  """Bytes of `capacity` value slots of `dtype` on the wire: bfloat16 values
+  go two to an int32 word (an odd count fills its last word with a zero)."""
+  dtype = tf.as_dtype(dtype)
+  if dtype == tf.bfloat16:
+    return 4 * -(-capacity // 2)
+  return capacity * dtype.size
+
+
+def round_values(idx: tf.Tensor, val: tf.Tensor, residual: tf.Tensor,
+                 value_dtype: str | None):
+  """The values to send in `value_dtype`, and the residual that keeps the
+  rounding error (error feedback for the value word).
+
+  With "bfloat16" a float32 value v travels as b = bfloat16(v), rounded to
+  nearest even, and the replica keeps v - float32(b) in its residual at v's
+  position. That difference is exact in float32 (v and b share the
+  exponent, b drops the low 16 bits of v's significand), so what is applied
+  plus what is held back is v to the bit; the rest reaches the model one
+  step later. A value below `TINY` in magnitude travels as 0 and stays whole
+  in the residual: its rounding error could be subnormal, and TensorFlow's
+  CPU kernels flush subnormal results of arithmetic to zero. Other
+  dtypes, and `value_dtype` None, pass through unchanged.
+
+  Args:
+    idx: int32[capacity] positions, padding (>= n) with value 0.
+    val: [capacity] the values at `idx`.
+    residual: flat [n] residual after the selection, 0 at every position
+      of `idx` (the error is written there).
+    value_dtype: one of `VALUE_DTYPES`.
+
+  Returns:
+    `(val, residual)`: the wire values (bfloat16 or `val`) and the residual.
+  """
+  if wire_dtype(val.dtype, value_dtype) == val.dtype:
+    return val, residual
+  tiny = tf.abs(val) < TINY
+  word = tf.cast(tf.where(tiny, tf.zeros_like(val), val), tf.bfloat16)
+  error = tf.where(tiny, val, val - tf.cast(word, val.dtype))
+  n = residual.shape[0]
+  # The residual is 0 where a value was sent: the error is written, not
+  # added (no arithmetic that could flush it). Padding writes slot n, cut off.
+  at = tf.minimum(idx, n)[:, None]
+  held = tf.concat([residual, tf.zeros([1], residual.dtype)], 0)
+  return word, tf.tensor_scatter_nd_update(held, at, error)[:n]
+
+
+def _pack_halves(val: tf.Tensor) -> tf.Tensor:
+  """int32[ceil(c / 2)] words of bfloat16[c], slot 2j in the low 16 bits of
+  word j and slot 2j + 1 in the high ones (a zero fills an odd count)."""
+  if val.shape[0] % 2:
+    val = tf.concat([val, tf.zeros([1], val.dtype)], 0)
+  halves = tf.bitcast(tf.reshape(val, [-1, 2]), tf.uint16)
+  low, high = tf.unstack(tf.cast(halves, tf.int32), axis=1)
+  return tf.bitwise.bitwise_or(low, tf.bitwise.left_shift(high, 16))
+
+
+def _unpack_halves(words: tf.Tensor, capacities: Sequence[int]) -> tf.Tensor:
+  """float32[r, sum(capacities)] from int32[r, words] holding one
+  `_pack_halves` block per capacity, one after another."""
+  r = words.shape[0]
+  low = tf.bitwise.bitwise_and(words, 0xFFFF)
+  high = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words, 16), 0xFFFF)
+  halves = tf.reshape(tf.stack([low, high], axis=2), [r, -1])
+  # A bfloat16 is the upper half of the float32 of the same value.
+  floats = tf.bitcast(tf.bitwise.left_shift(halves, 16), tf.float32)
+  starts = np.cumsum([0] + [2 * -(-c // 2) for c in capacities])[:-1]
+  keep = np.concatenate([s + np.arange(c) for s, c in zip(starts, capacities)])
+  if keep.size == floats.shape[1]:
+    return floats
+  return tf.gather(floats, keep.astype(np.int32), axis=1)
+
+
 def wire_bytes(n: int, capacity: int, dtype, encoding: str = "auto") -> int:
   """Bytes one replica contributes to the all-gather for one vector.
 
-  Index words (counts, offsets, padding) plus `capacity` value slots.
+  Index words (counts, offsets, padding) plus `capacity` value slots
+  (`value_bytes`: bfloat16 two to a word).
 
   Example:
     10 float32 slots for a vector of 1000 entries: "auto" picks "ef" (6 low
@@ -186,8 +290,8 @@ def wire_bytes(n: int, capacity: int, dtype, encoding: str = "auto") -> int:
     >>> wire_bytes(1000, 10, tf.float32, encoding="int32")
     80
   """
-  value_bytes = tf.as_dtype(dtype).size
-  return make_encoding(encoding, n, capacity).index_bytes + capacity * value_bytes
+  return (make_encoding(encoding, n, capacity).index_bytes
+          + value_bytes(capacity, dtype))
 
 
 class _Layout:
@@ -900,7 +1004,9 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   Args:
     ctx: the replica context of the calling replica.
     buffers: `(idx, val, n)` per vector: positions (padding = n) and values of
-      one static length, e.g. as produced by `compact`.
+      one static length, e.g. as produced by `compact`. bfloat16 values
+      (`round_values`) travel two to an int32 word and are summed in
+      float32: their sums are float32.
     encoding: index layout for every vector, "auto" (per vector, see
       `choose_encoding`) or one of `ENCODINGS`.
     presorted: True promises increasing positions with the padding last (the
@@ -979,7 +1085,7 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     encs.append(enc)
     idxs.append(tf.cast(idx, tf.int32))
     vals.append(val)
-  fixed = [enc.index_bytes + enc.capacity * val.dtype.size
+  fixed = [enc.index_bytes + value_bytes(enc.capacity, val.dtype)
            for enc, val in zip(encs, vals)]
   used = _used_slots(encs, idxs) if exact else None
   if use_native and all(native.usable(v.dtype, v.device) for v in vals):
@@ -1028,6 +1134,15 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     maps.setdefault(w, []).append(word_map)
     return w, at
 
+  def put_values(members):  # bfloat16 values: two to an int32 word each
+    if vals[members[0]].dtype == tf.bfloat16:
+      return put(tf.concat([_pack_halves(vals[v]) for v in members], 0),
+                 _WordMap.join([_value_map(v, encs[v].capacity, 1, 2)
+                                for v in members]))
+    return put(tf.concat([vals[v] for v in members], 0),
+               _WordMap.join([_value_map(v, encs[v].capacity, 1)
+                              for v in members]))
+
   coder_at = [put(encode(members, coder),
                   _WordMap.join([_index_map(v, encs[v]) for v in members]))[1]
               for members, coder in coders]
@@ -1037,11 +1152,8 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
   short_by_dtype = {}        # value dtype -> short vectors
   for v in short:
     short_by_dtype.setdefault(vals[v].dtype, []).append(v)
-  short_vals = {d: put(tf.concat([vals[v] for v in m], 0),
-                       _WordMap.join([_value_map(v, encs[v].capacity, 1)
-                                      for v in m]))
-                for d, m in short_by_dtype.items()}
-  long_vals = [put(vals[v], _value_map(v, encs[v].capacity, 1)) for v in long]
+  short_vals = {d: put_values(m) for d, m in short_by_dtype.items()}
+  long_vals = [put_values([v]) for v in long]
   names = list(streams)
   r = ctx.num_replicas_in_sync
   sent, counts = None, None
@@ -1060,6 +1172,14 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     w, at = where
     piece = rows[w][:, at:at + length]
     return piece if w == dtype else tf.bitcast(piece, dtype)
+
+  def take_values(where, members):  # [r, slots] of `members`, summable
+    if vals[members[0]].dtype != tf.bfloat16:
+      return take(where, sum(encs[v].capacity for v in members),
+                  vals[members[0]].dtype)
+    caps = [encs[v].capacity for v in members]
+    return _unpack_halves(take(where, sum(-(-c // 2) for c in caps), tf.int32),
+                          caps)  # summed in float32
 
   out = [None] * len(buffers)
   if short:
@@ -1082,7 +1202,7 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
               else tf.gather(idx, cols, axis=1))
       pos = tf.where(mine < slot_n[cols], mine + start, -1)
       total = tf.math.unsorted_segment_sum(
-          tf.reshape(take(short_vals[dtype], cols.size, dtype), [-1]),
+          tf.reshape(take_values(short_vals[dtype], members), [-1]),
           tf.reshape(pos, [-1]), sum(ns))
       for v, part in zip(members, tf.split(total, ns)):
         out[v] = part
@@ -1090,7 +1210,7 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     enc = encs[v]
     w_at = words_at[i]
     words = rows[tf.int32][:, w_at:w_at + enc.words]
-    val = take(long_vals[i], enc.capacity, vals[v].dtype)
+    val = take_values(long_vals[i], [v])
     idx = (decode([v], long_coders[v], words) if v in long_coders
            else decode_indices(words, enc))  # every replica at once
     out[v] = scatter_sum(tf.reshape(idx, [-1]), tf.reshape(val, [-1]), enc.n)
@@ -1184,9 +1304,12 @@ def sent_index_words(encoding: Encoding, used: int) -> int:
   return int(np.sum(_index_map(0, encoding).first < used))
 
 
-def _value_map(v: int, capacity: int, per_slot: int) -> _WordMap:
-  """The `_WordMap` of vector v's values, `per_slot` elements a slot."""
-  first = np.arange(capacity * per_slot) // per_slot
+def _value_map(v: int, capacity: int, per_slot: int,
+               per_element: int = 1) -> _WordMap:
+  """The `_WordMap` of vector v's values, `per_slot` elements a slot or
+  `per_element` slots an element (bfloat16 in int32 words: 2)."""
+  elements = -(-capacity * per_slot // per_element)
+  first = np.arange(elements) * per_element // per_slot
   return _WordMap(np.full(first.size, v), first, np.zeros(first.size, np.int64))
 
 

@@ -64,6 +64,7 @@ class TopK(ErrorFeedbackCompressor):
     adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP` (off
       by default).
     sparse_gradients, dense_gradients: as in `ErrorFeedbackCompressor`.
+    value_dtype: None (default) or "bfloat16", as in `DCTDP`.
 
   See the module docstring for the exact conventions.
   """
@@ -84,7 +85,8 @@ class TopK(ErrorFeedbackCompressor):
                adagrad: bool | None = False,
                adagrad_accumulator: str = "factored",
                sparse_gradients: str = "auto",
-               dense_gradients: str = "auto"):
+               dense_gradients: str = "auto",
+               value_dtype: str | None = None):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
                      exclude=exclude, momentum=momentum,
                      momentum_masking=momentum_masking, adam=adam,
@@ -93,7 +95,7 @@ class TopK(ErrorFeedbackCompressor):
                      adam_first_moment=adam_first_moment,
                      adagrad=adagrad, adagrad_accumulator=adagrad_accumulator,
                      sparse_gradients=sparse_gradients,
-                     dense_gradients=dense_gradients)
+                     dense_gradients=dense_gradients, value_dtype=value_dtype)
     self.density = float(self._check("density", density, numbers.Real, 0, True,
                                      1, False))
     self.min_count = int(self._check("min_count", min_count, numbers.Integral,
