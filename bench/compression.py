@@ -64,7 +64,7 @@ Prints:
 
 Usage:
   python bench/compression.py            # full
-  python bench/compression.py --quick    # n = 4 only, 6 steps; ~8 min on 2 cores (goal was < 2 min)
+  python bench/compression.py --quick    # n = 4 only, 6 steps; ~4 min on 2 idle cores
   python bench/compression.py --selection_only   # (c) alone, ~25 s
 """
 
