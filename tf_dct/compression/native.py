@@ -89,7 +89,7 @@ def _flags() -> list[str]:
           + (["-march=native"] if _x86() else [])
           # TensorFlow's Eigen headers do not compile with AVX512-FP16
           # enabled (g++ 12: "expected initializer before '<'" in
-          # PacketMathFP16.h); the kernels use no half precision.
+          # PacketMathFP16.h); the kernels use no float16 (bfloat16 only).
           + (["-mno-avx512fp16"] if _x86() and "avx512_fp16" in
              _cpu_features().split() else [])
           + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
