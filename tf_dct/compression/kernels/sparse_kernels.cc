@@ -284,18 +284,18 @@ int64_t AccumulatePack(int64_t n, const T* grad, const T* residual,
   int64_t selected;
   if (out == grad) {
     selected = scalar ? AccumulatePackLoop<T, V, true>(n, out, residual, tau,
-                                                    capacity, out, idx, val,
-                                                    &bad, &not_a_number)
+                                                       capacity, out, idx, val,
+                                                       &bad, &not_a_number)
                       : AccumulatePackLoop<T, V, false>(n, out, residual, tau,
-                                                     capacity, out, idx, val,
-                                                     &bad, &not_a_number);
+                                                        capacity, out, idx, val,
+                                                        &bad, &not_a_number);
   } else {
     selected = scalar ? AccumulatePackLoop<T, V, true>(n, grad, residual, tau,
-                                                    capacity, out, idx, val,
-                                                    &bad, &not_a_number)
+                                                       capacity, out, idx, val,
+                                                       &bad, &not_a_number)
                       : AccumulatePackLoop<T, V, false>(n, grad, residual, tau,
-                                                     capacity, out, idx, val,
-                                                     &bad, &not_a_number);
+                                                        capacity, out, idx, val,
+                                                        &bad, &not_a_number);
   }
   *finite = !bad;
   *nan = not_a_number;
