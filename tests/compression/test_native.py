@@ -12,6 +12,7 @@ from tf_dct.compression import dct_dp
 from tf_dct.compression import sparse_wire
 from tf_dct.compression import native
 from tests import util
+from tests.compression import reference_bfloat16
 
 
 def setUpModule():
@@ -43,13 +44,13 @@ def reference(grad, residual, tau, capacity):
 
 
 def select_one(grad, residual, tau, capacity, mode=native.FIXED, m=0,
-               band=(0, 0), message="m"):
+               band=(0, 0), message="m", value_dtype=None):
   """`native.select` of one variable: (idx, val, residual, tau, selected,
   early) as numpy values."""
   idx, val, res, taus, selected, early, _ = native.select(
       [tf.constant(grad)], [tf.constant(residual)],
       tf.constant([tau], grad.dtype), tf.constant([mode], tf.int32),
-      [capacity], [m], [band[0]], [band[1]], [message])
+      [capacity], [m], [band[0]], [band[1]], [message], value_dtype)
   return (idx[0].numpy(), val[0].numpy(), res[0].numpy(), taus.numpy()[0],
           int(selected[0]), bool(early[0]))
 
@@ -82,6 +83,44 @@ class SelectTest(tf.test.TestCase, parameterized.TestCase):
       self.assertEqual(got[1].dtype, dtype)
       self.assertEqual(got[3], dtype(tau))  # FIXED keeps tau
       self.assertFalse(got[5])
+
+  @parameterized.named_parameters(
+      ("fixed", native.FIXED, (0, 0)), ("refresh", native.REFRESH, (0, 0)),
+      # The old tau 0 selects too many: the packed words go back into the
+      # accumulator (exactly) before the refresh.
+      ("guard_refreshes", native.GUARDED, (1, 10)))
+  def test_bfloat16_values_are_round_values_bit_for_bit(self, mode, band):
+    # Ties, exponent carries, values either side of TINY, a subnormal and a
+    # normal whose error would be subnormal; a scalar residual of 0 keeps
+    # the accumulator as it is. m = 50 keeps the tiny values selected.
+    grad = reference_bfloat16.tricky_floats(1000, 5)
+    zero = np.float32([0.0])
+    args = (np.float32(0.0), 900, mode, 50, band)
+    idx, val, res, *rest = select_one(grad, zero, *args)
+    got_idx, got_val, got_res, *got_rest = select_one(
+        grad, zero, *args, value_dtype=tf.bfloat16)
+    self.assertEqual(rest[-1], mode == native.GUARDED)
+    self.assertAllEqual(got_idx, idx)
+    self.assertEqual(got_rest, rest)
+    self.assertEqual(got_val.dtype, tf.bfloat16.as_numpy_dtype)
+    bits = got_val.view(np.uint16)
+    self.assertAllEqual(bits, reference_bfloat16.np_bfloat16_bits(val))
+    word, kept = sparse_wire.round_values(
+        tf.constant(idx), tf.constant(val), tf.constant(res), "bfloat16")
+    self.assertAllEqual(bits, tf.bitcast(word, tf.uint16))
+    self.assertAllEqual(got_res.view(np.uint32), kept.numpy().view(np.uint32))
+    # Conservation: word + residual is the accumulator's entry to the bit.
+    sent = idx[idx < grad.size]
+    self.assertTrue(np.any(np.abs(val[:sent.size]) < sparse_wire.TINY))
+    whole, want = got_res.copy(), res.copy()
+    whole[sent] += reference_bfloat16.np_bfloat16_value(bits[:sent.size])
+    want[sent] = val[:sent.size]
+    self.assertAllEqual(whole.view(np.uint32), want.view(np.uint32))
+    with self.assertRaisesRegex(ValueError, "value_dtype must be None, the "
+                                "gradients' dtype or bfloat16 .float32 "
+                                "gradients only., got bfloat16 for float64"):
+      select_one(grad.astype(np.float64), np.float64([0.0]), 0.0, 5,
+                 value_dtype=tf.bfloat16)
 
   def test_reports_its_run_time(self):
     seconds = native.select(
@@ -322,6 +361,37 @@ class WireTest(tf.test.TestCase, parameterized.TestCase):
     # Position 12 is the short vector's padding; 0, 1, 2, 3 from the replicas.
     self.assertAllEqual(short_sum, [-1, -1, -1, -1, 0, 4, 0, 0, 0, 0, 0, 0])
     self.assertEqual(int(nnz[1]), 5)
+
+  @parameterized.named_parameters(("int32_even", "int32", 300, 40),
+                                  ("chunk8_odd", "chunk8", 1000, 61),
+                                  ("ef_odd", "ef", 1000, 61))
+  def test_bfloat16_values_match_the_stock_words_and_sums(self, name, n, cap):
+    # Two values to a word (`sparse_wire._pack_halves`, a zero half after an
+    # odd count); the sums are float32 sums of the widened values.
+    self.assertTrue(native.usable(tf.bfloat16, "/cpu:0"))
+    enc = sparse_wire.make_encoding(name, n, cap)
+    rng = np.random.default_rng(cap)
+    payloads, idxs, vals = [], [], []
+    for r in range(3):
+      pos = np.sort(rng.choice(n, size=cap - 5 * r, replace=False))
+      idx = np.r_[pos, np.full(5 * r, n)].astype(np.int32)
+      val = tf.cast(np.r_[reference_bfloat16.tricky_floats(pos.size, r),
+                          np.zeros(5 * r)].astype(np.float32), tf.bfloat16)
+      payload = native.encode([tf.constant(idx)], [val], [enc])
+      self.assertEqual(payload.shape[0], enc.words + (cap + 1) // 2)
+      self.assertAllEqual(payload[:enc.words],
+                          sparse_wire.encode_indices(tf.constant(idx), enc))
+      self.assertAllEqual(payload[enc.words:],
+                          sparse_wire._pack_halves(val))  # pylint: disable=protected-access
+      payloads.append(payload)
+      idxs.append(idx)
+      vals.append(tf.cast(val, tf.float32))
+    (dense,), nnz = native.gather_sum(tf.stack(payloads), [enc], tf.bfloat16)
+    want = sparse_wire.scatter_sum(tf.concat(idxs, 0), tf.concat(vals, 0), n)
+    self.assertEqual(dense.dtype, tf.float32)
+    self.assertAllEqual(dense.numpy().view(np.uint32),
+                        want.numpy().view(np.uint32))
+    self.assertEqual(int(nnz[0]), int(tf.math.count_nonzero(want)))
 
   def test_zeros_and_negative_zero_are_not_counted(self):
     enc = sparse_wire.make_encoding("int32", 9, 4)

@@ -1,5 +1,7 @@
 """Tests for tf_dct.compression.sparse_wire against numpy."""
 
+from unittest import mock
+
 from absl.testing import parameterized
 import numpy as np
 import tensorflow as tf
@@ -8,6 +10,7 @@ import tf_dct
 from tf_dct import _private
 from tf_dct.compression import native, sparse_wire
 from tests import util
+from tests.compression import reference_bfloat16
 from tests.compression import test_native
 
 
@@ -860,42 +863,6 @@ if __name__ == "__main__":
   tf.test.main()
 
 
-def _np_bfloat16_bits(x, tiny=True):
-  """uint16 bits of float32 `x` rounded to bfloat16, nearest even: the upper
-  16 bits of x plus one where the lower 16 exceed half, or equal it and the
-  upper half is odd (finite values only); with `tiny`, 0 below
-  `sparse_wire.TINY` (`round_values`)."""
-  bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-  upper, lower = bits >> 16, bits & 0xFFFF
-  up = (lower > 0x8000) | ((lower == 0x8000) & (upper & 1 == 1))
-  out = (upper + up).astype(np.uint16)
-  if not tiny:
-    return out
-  return np.where(np.abs(np.asarray(x, np.float32)) < sparse_wire.TINY, 0, out
-                  ).astype(np.uint16)
-
-
-def _np_bfloat16_value(bits):
-  """float32 of uint16 bfloat16 bits."""
-  return (np.asarray(bits, np.uint32) << 16).view(np.float32)
-
-
-def _tricky_floats(size, seed):
-  """float32 values that exercise the rounding: exact ties (even and odd
-  upper halves), just above / below a tie, values that carry into the
-  exponent, tiny normals and subnormals, negatives and zero."""
-  rng = np.random.default_rng(seed)
-  upper = rng.integers(0x0001, 0x7F00, size).astype(np.uint32)
-  lower = rng.choice([0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF], size).astype(np.uint32)
-  sign = rng.choice([0, 1], size).astype(np.uint32) << 31
-  x = (sign | (upper << 16) | lower).view(np.float32)
-  # Zero, a subnormal, a normal whose error would be subnormal, either side
-  # of TINY, and a tie that carries into the exponent.
-  x[:6] = [0.0, 1e-40, -3e-37, np.float32(2.0**-103), -np.float32(2.0**-103)
-           * np.float32(1 - 2.0**-20), np.float32(2.0 - 2.0**-8)]
-  return x
-
-
 class ValueWordTest(tf.test.TestCase, parameterized.TestCase):
   """bfloat16 values, two to an int32 word, with their error in the residual."""
 
@@ -904,19 +871,19 @@ class ValueWordTest(tf.test.TestCase, parameterized.TestCase):
     rng = np.random.default_rng(2)
     idx = np.r_[np.sort(rng.choice(n, cap - 5, replace=False)),
                 np.full(5, n)].astype(np.int32)
-    val = np.r_[_tricky_floats(cap - 5, 3), np.zeros(5)].astype(np.float32)
+    val = np.r_[reference_bfloat16.tricky_floats(cap - 5, 3), np.zeros(5)].astype(np.float32)
     residual = rng.normal(size=n).astype(np.float32)
     residual[idx[:-5]] = 0  # sent entries leave a zero residual
     word, kept = sparse_wire.round_values(tf.constant(idx), tf.constant(val),
                                           tf.constant(residual), "bfloat16")
     self.assertEqual(word.dtype, tf.bfloat16)
-    want = _np_bfloat16_bits(val)
+    want = reference_bfloat16.np_bfloat16_bits(val)
     self.assertAllEqual(tf.bitcast(word, tf.uint16), want)
     # What is held back plus what is sent is the value, to the bit.
     want_kept = residual.copy()
-    want_kept[idx[:-5]] = val[:-5] - _np_bfloat16_value(want[:-5])
+    want_kept[idx[:-5]] = val[:-5] - reference_bfloat16.np_bfloat16_value(want[:-5])
     self.assertAllEqual(kept, want_kept)
-    sent = _np_bfloat16_value(want[:-5])
+    sent = reference_bfloat16.np_bfloat16_value(want[:-5])
     self.assertAllEqual(want_kept[idx[:-5]] + sent, val[:-5])
     # None, and dtypes other than float32, pass through.
     for value_dtype, dtype in ((None, np.float32), ("bfloat16", np.float64)):
@@ -928,8 +895,8 @@ class ValueWordTest(tf.test.TestCase, parameterized.TestCase):
       self.assertAllEqual(same_res, residual.astype(dtype))
 
   def test_packing_is_bit_exact_two_to_a_word(self):
-    val = _tricky_floats(7, 5)
-    bits = _np_bfloat16_bits(val, tiny=False)  # tf.cast: plain rounding
+    val = reference_bfloat16.tricky_floats(7, 5)
+    bits = reference_bfloat16.np_bfloat16_bits(val, tiny=False)  # tf.cast: plain rounding
     words = sparse_wire._pack_halves(tf.cast(tf.constant(val), tf.bfloat16))  # pylint: disable=protected-access
     padded = np.r_[bits, 0].astype(np.uint32)  # an odd count: a zero fills
     want = (padded[0::2] | (padded[1::2] << 16)).view(np.int32)
@@ -937,7 +904,7 @@ class ValueWordTest(tf.test.TestCase, parameterized.TestCase):
     # Blocks of 3, 4 and 1 slots one after another, 2 rows.
     caps = [3, 4, 1]
     blocks = [tf.cast(tf.constant(v), tf.bfloat16) for v in np.split(
-        _tricky_floats(16, 6), [3, 7, 8])[:3]]
+        reference_bfloat16.tricky_floats(16, 6), [3, 7, 8])[:3]]
     row = tf.concat([sparse_wire._pack_halves(b) for b in blocks], 0)  # pylint: disable=protected-access
     self.assertEqual(row.shape[0], 2 + 2 + 1)
     floats = sparse_wire._unpack_halves(tf.stack([row, row]), caps)  # pylint: disable=protected-access
@@ -963,13 +930,19 @@ class ValueWordTest(tf.test.TestCase, parameterized.TestCase):
         r"'bfloat16', got "):
       sparse_wire.check_value_dtype("X", value_dtype)
 
-  @parameterized.named_parameters(("stock_batched", None), ("one_by_one", 0))
-  def test_exchange_sums_in_float32_fixed_and_exact(self, batch_capacity):
+  @parameterized.named_parameters(("stock_batched", None, False),
+                                  ("one_by_one", 0, False),
+                                  ("native", None, True))
+  def test_exchange_sums_in_float32_fixed_and_exact(self, batch_capacity,
+                                                    use_native):
     # Short (batched) and long buffers, odd and even capacities, beside a
     # float32 vector; replicas using none, all, a third and one slot. The
     # sums are the float32 sums of the bfloat16 values in replica order, to
     # the bit, at fixed capacity and with exact sizes; the bytes count two
-    # per value, a filler for an odd count included.
+    # per value, a filler for an odd count included. On CPU the native
+    # kernels take bfloat16 values too.
+    if use_native:
+      test_native.require_native(self)
     replicas = util.NUM_CPUS
     rng = np.random.default_rng(8)
     specs = [(3000, 201, tf.bfloat16), (400, 21, tf.bfloat16),
@@ -989,16 +962,20 @@ class ValueWordTest(tf.test.TestCase, parameterized.TestCase):
                  for (i, v), (n, _, dtype) in zip(data[r], specs)]
       return sparse_wire.exchange_many(
           ctx, buffers, presorted=True, payload=True, exact=exact,
-          batch_capacity=batch_capacity)
+          batch_capacity=batch_capacity, use_native=use_native)
 
-    fixed, exact = (util.local(repl, tf.function(
-        lambda e=e: repl.run(fn, args=(e,)))()) for e in (False, True))
+    with mock.patch.object(native, "gather_sum",
+                           wraps=native.gather_sum) as kernel:
+      fixed, exact = (util.local(repl, tf.function(
+          lambda e=e: repl.run(fn, args=(e,)))()) for e in (False, True))
+    # Per replica and layout one kernel call for each value dtype.
+    self.assertEqual(kernel.call_count, 2 * 2 * replicas if use_native else 0)
     for t, (n, cap, dtype) in enumerate(specs):
       want = np.zeros(n, np.float32)
       for r in range(replicas):
         idx, val = data[r][t]
         if dtype == tf.bfloat16:
-          val = _np_bfloat16_value(_np_bfloat16_bits(val))
+          val = reference_bfloat16.np_bfloat16_value(reference_bfloat16.np_bfloat16_bits(val))
         for i, x in zip(idx, val):
           if i < n:
             want[i] = np.float32(want[i] + x)

@@ -524,7 +524,8 @@ class DCTDP(Compressor):
                             for i in members])
       with tf.control_dependencies([start] if stamped else []):
         if native_group:
-          picked = dct_dp_fast.select_native(group, self.density_band)
+          picked = dct_dp_fast.select_native(group, self.density_band,
+                                             self.value_dtype)
         elif len(members) > 1:
           picked = dct_dp_fast.select_fused(group, self.density_band)
         else:
@@ -630,7 +631,8 @@ class DCTDP(Compressor):
     """
     variables, sizes, caps = group.variables, group.sizes, group.caps
     warm, selected, residuals = group.warm, picked.selected, picked.residuals
-    # The value word: what rounding takes off a value stays in the residual.
+    # The value word: what rounding takes off a value stays in the residual
+    # (the native kernel rounds itself: its bfloat16 values pass through).
     vals = list(picked.vals)
     if self.value_dtype is not None:
       residuals = list(residuals)

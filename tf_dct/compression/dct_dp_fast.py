@@ -80,8 +80,12 @@ def _band_counts(group, band):
   return band[0] * expected, band[1] * expected
 
 
-def select_native(group, band):
+def select_native(group, band, value_dtype=None):
   """Lines 2-11 of a group in one native op; a `dct_dp.Picked`.
+
+  With `value_dtype` "bfloat16" a float32 group's packed values come out
+  rounded to bfloat16, the rounding error in the residuals (the kernel does
+  `sparse_wire.round_values`).
 
   `group.accs` holds `(g, E)` flat pairs (E may be a scalar 0); the kernel
   checks g, adds E and takes each variable's branch (refresh, guard, reuse)
@@ -104,7 +108,8 @@ def select_native(group, band):
   idxs, vals, residuals, tau, selected, early, seconds = native_ops.select(
       [g for g, _ in group.accs], [e for _, e in group.accs], taus, modes,
       group.caps, group.below, lowest, highest,
-      [error_feedback.non_finite_message("DCTDP", v) for v in group.variables])
+      [error_feedback.non_finite_message("DCTDP", v) for v in group.variables],
+      sparse_wire.wire_dtype(dtype, value_dtype))
   return dct_dp.Picked(tau, tf.logical_or(group.due, early),
                        early if band is not None else None, selected, idxs,
                        vals, residuals, seconds)

@@ -10,7 +10,9 @@ mask, the compaction and the new residuals). For line 12, `encode` lays a
 replica's packed vectors into one all-gather payload and `gather_sum` turns
 the gathered payloads into the dense sums with their non-zero counts, which
 the accounting needs, instead of a dozen stock ops per vector
-(kernels/sparse_kernels.cc). Results are bit-identical to the stock ops.
+(kernels/sparse_kernels.cc). bfloat16 value words of float32 variables
+(`sparse_wire.round_values`) are rounded by `select` and packed and widened
+by the wire kernels. Results are bit-identical to the stock ops.
 
 No wheel ships it: the source is compiled the first time it is needed, with
 the C++ compiler of the machine (`$CXX`, else `g++`) and the flags of the
@@ -87,7 +89,7 @@ def _flags() -> list[str]:
           + (["-march=native"] if _x86() else [])
           # TensorFlow's Eigen headers do not compile with AVX512-FP16
           # enabled (g++ 12: "expected initializer before '<'" in
-          # PacketMathFP16.h); the kernels use no half precision.
+          # PacketMathFP16.h); the kernels use no float16 (bfloat16 only).
           + (["-mno-avx512fp16"] if _x86() and "avx512_fp16" in
              _cpu_features().split() else [])
           + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
@@ -166,10 +168,11 @@ def available() -> bool:
 def usable(dtype: tf.DType, device: str | None) -> bool:
   """Whether ops of `dtype` placed on `device` can use the kernels now.
 
-  float32/float64 on a CPU (or an unplaced op), outside XLA, with the
-  library available (built here if needed).
+  float32/float64 (and bfloat16, the value words of `encode` and
+  `gather_sum`) on a CPU (or an unplaced op), outside XLA, with the library
+  available (built here if needed).
   """
-  if dtype not in (tf.float32, tf.float64):
+  if dtype not in (tf.float32, tf.float64, tf.bfloat16):
     return False
   if tf.DeviceSpec.from_string(device or "").device_type not in (None, "CPU"):
     return False
@@ -189,7 +192,7 @@ GUARDED, REFRESH, FIXED = 0, 1, 2
 
 
 def select(grads, residuals, taus: tf.Tensor, modes: tf.Tensor,
-           capacities, below, lowest, highest, messages):
+           capacities, below, lowest, highest, messages, value_dtype=None):
   """DCT Algorithm 1 lines 2-11 of several variables in one CPU op.
 
   Per variable v, with acc = grads[v] + residuals[v] (line 2), n entries:
@@ -212,6 +215,10 @@ def select(grads, residuals, taus: tf.Tensor, modes: tf.Tensor,
       slots (>= 1), m (0 <= m < n_v), the guard's band on the selected count.
     messages: per variable, the error when an entry of its gradient is not
       finite (InvalidArgumentError, as `tf.debugging.check_numerics` raises).
+    value_dtype: the dtype of the packed values, None or the gradients'
+      dtype, or tf.bfloat16 for float32 gradients: each packed value is
+      rounded and what rounding took off stays in the new residual, bit for
+      bit `sparse_wire.round_values`.
 
   Returns:
     `(idx, val, new_residuals, new_taus, selected, early, seconds)`: per
@@ -226,8 +233,15 @@ def select(grads, residuals, taus: tf.Tensor, modes: tf.Tensor,
   Raises:
     RuntimeError: the native library is unavailable (see `library`).
   """
+  grads = list(grads)
+  value_dtype = tf.as_dtype(value_dtype or grads[0].dtype)
+  if value_dtype not in (grads[0].dtype, tf.bfloat16) or (
+      value_dtype == tf.bfloat16 and grads[0].dtype != tf.float32):
+    raise ValueError(f"select: value_dtype must be None, the gradients' dtype "
+                     f"or bfloat16 (float32 gradients only), got "
+                     f"{value_dtype.name} for {grads[0].dtype.name}")
   return _lib().tf_dct_select(
-      list(grads), list(residuals), taus, modes,
+      grads, list(residuals), taus, modes, V=value_dtype,
       capacities=list(capacities), below=list(below), lowest=list(lowest),
       highest=list(highest), messages=list(messages))
 
@@ -250,13 +264,14 @@ def encode(idxs, vals, encodings, exact: bool = False) -> tf.Tensor:
     idxs: per vector int32[capacity] positions, padding n; non-decreasing
       with the padding last for a chunked encoding (else
       InvalidArgumentError).
-    vals: per vector [capacity] values, all float32 or all float64.
+    vals: per vector [capacity] values, all float32, all float64 or all
+      bfloat16 (two to a word, `sparse_wire._pack_halves`).
     encodings: per vector its `sparse_wire.Encoding`.
     exact: lay each "ef" vector out for its used slots (the exact-size
       exchange, `sparse_wire._EliasFanoExact`) instead of its capacity.
 
   Returns:
-    int32[sum of words + sum of capacities * value size / 4]: every vector's
+    int32[sum of words + sum of value_bytes(capacity) / 4]: every vector's
     index words (`sparse_wire.encode_indices`, bit for bit, or with `exact`
     `sparse_wire._EliasFanoExact.encode`), then every vector's values.
 
@@ -273,14 +288,16 @@ def gather_sum(payload: tf.Tensor, encodings, dtype, counts=None):
   Args:
     payload: int32[replicas, length], one `encode` output per replica.
     encodings: per vector its `sparse_wire.Encoding` (as given to `encode`).
-    dtype: tf.float32 or tf.float64, the values' dtype.
+    dtype: tf.float32, tf.float64 or tf.bfloat16, the values' dtype on the
+      wire (bfloat16 is widened to float32 and summed in float32).
     counts: None for payloads of `encode` at capacity; for those of
       `encode(..., exact=True)` int32[replicas, vectors], each row's used
       slots per vector (each in [0, capacity], else InvalidArgumentError),
       which give the layout of its "ef" vectors.
 
   Returns:
-    `(sums, nnz)`: per vector the dense [n] sum, bit for bit
+    `(sums, nnz)`: per vector the dense [n] sum (float32 for bfloat16
+    values), bit for bit
     `sparse_wire.scatter_sum` of the decoded positions and values over the
     replicas in order (each position sums in slot order from +0); and
     int64[vectors] non-zero entries of each sum.
@@ -293,6 +310,7 @@ def gather_sum(payload: tf.Tensor, encodings, dtype, counts=None):
   if not exact:
     counts = tf.zeros([0, len(encodings)], tf.int32)
   sums, nnz = _lib().tf_dct_gather_sum(
-      payload, counts, T=dtype, N=len(encodings), exact=exact,
+      payload, counts, T=tf.float32 if dtype == tf.bfloat16 else dtype,
+      V=dtype, N=len(encodings), exact=exact,
       capacities=[e.capacity for e in encodings], **_layouts(encodings))
   return list(sums), nnz

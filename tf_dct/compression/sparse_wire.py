@@ -1037,7 +1037,8 @@ def exchange_many(ctx: tf.distribute.ReplicaContext,
     carrying the step's overhead (the counts header, TensorFlow's length
     word per gathered tensor, and the padding to the longest replica's
     payload). Results come as `sums`, `(sums, counts)`, `(sums, bytes)` or
-    `(sums, counts, bytes)`. On CPU (outside XLA, float32/float64 values) two native
+    `(sums, counts, bytes)`. On CPU (outside XLA; float32, float64 or
+    bfloat16 values) two native
     kernels do the work of the stock ops, bit for bit: one lays this
     replica's vectors into one int32 payload per value dtype
     (`tf_dct.compression.native.encode`), and after the all-gather one decodes,
@@ -1234,12 +1235,14 @@ def _exchange_native(ctx, encs, idxs, vals, used=None):
     payload = native.encode([idxs[v] for v in members],
                             [vals[v] for v in members], mine,
                             exact=used is not None)
-    payload.set_shape([sum(e.words + e.capacity * dtype.size // 4
+    payload.set_shape([sum(e.words + value_bytes(e.capacity, dtype) // 4
                            for e in mine)])
     payloads.append(payload)
     payload_maps.append(_WordMap.join(
         [_index_map(v, encs[v]) for v in members]
-        + [_value_map(v, encs[v].capacity, dtype.size // 4) for v in members]))
+        + [_value_map(v, encs[v].capacity, 1, 2) if dtype == tf.bfloat16
+           else _value_map(v, encs[v].capacity, dtype.size // 4)
+           for v in members]))
   r = ctx.num_replicas_in_sync
   sent, used_by_row = None, None
   if used is not None:

@@ -34,6 +34,13 @@
 // dropped, and each position sums its values in slot order starting from +0,
 // replicas in order, as tf.math.unsorted_segment_sum does on the decoded
 // positions.
+//
+// Value words: the packed values travel in the accumulator's type T or, for
+// float32 with V = bfloat16, as bfloat16 two to an int32 word (slot 2j in
+// the low half of word j). TfDctSelect then rounds each packed value to
+// nearest even and leaves what rounding took off in the new residual, as
+// sparse_wire.round_values does with stock ops, and TfDctGatherSum widens
+// the words back to float32 before it adds them.
 
 #include <algorithm>
 #include <chrono>
@@ -61,6 +68,7 @@ using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
+using ::tensorflow::bfloat16;
 namespace shape_inference = ::tensorflow::shape_inference;
 
 template <typename... Args>
@@ -87,19 +95,70 @@ absl::Status ScalarResidual(const Tensor& grad, const Tensor& residual,
   return absl::OkStatus();
 }
 
+// A packed accumulator entry on its way to a value word of type V, and back.
+// With V = T the value travels as it is and leaves 0 in the residual.
+template <typename T, typename V>
+struct Word {
+  static_assert(std::is_same<T, V>::value, "V must be T or, for float, "
+                "bfloat16");
+  // Writes the word of `a` (non-zero) into `slot`; returns the residual left.
+  static T Put(T a, V* slot) {
+    *slot = a;
+    return T(0);
+  }
+  // The entry that Put(a) turned into `word` and `left`.
+  static T Restore(V word, T /*left*/) { return word; }
+  static T Widen(V word) { return word; }
+};
+
+// float32 as bfloat16 (sparse_wire.round_values, bit for bit): rounded to
+// nearest even by Eigen's conversion, the one tf.cast makes; the error
+// a - float(b) is exact (a and b share the exponent) and, for |a| >= kTiny,
+// a normal float. A value below kTiny (sparse_wire.TINY = 2^-103) travels as
+// +0 and stays whole in the residual: its error could be subnormal, and
+// TensorFlow runs kernels with subnormal results flushed to zero.
+template <>
+struct Word<float, bfloat16> {
+  static constexpr float kTiny = 0x1p-103f;
+  static float Put(float a, bfloat16* slot) {
+    if (std::fabs(a) < kTiny) {
+      *slot = bfloat16(0.0f);
+      return a;
+    }
+    const bfloat16 b(a);
+    *slot = b;
+    return a - static_cast<float>(b);
+  }
+  // Exact: b + (a - b) is a. A tiny a went as 0 and is its own residual
+  // (no addition, which would flush a subnormal a).
+  static float Restore(bfloat16 word, float left) {
+    const float b = static_cast<float>(word);
+    return b == 0.0f ? left : b + left;
+  }
+  static float Widen(bfloat16 word) { return static_cast<float>(word); }
+};
+
+// int32 words of `capacity` values of type V (an odd count of bfloat16
+// fills its last word with a zero half).
+template <typename V>
+constexpr int64_t ValueWords(int64_t capacity) {
+  return (capacity * static_cast<int64_t>(sizeof(V)) + 3) / 4;
+}
+
 REGISTER_OP("TfDctSelect")
     .Input("grads: N * T")
     .Input("residuals: N * T")
     .Input("taus: T")
     .Input("modes: int32")
     .Output("idx: N * int32")
-    .Output("val: N * T")
+    .Output("val: N * V")
     .Output("new_residuals: N * T")
     .Output("new_taus: T")
     .Output("selected: int32")
     .Output("early: bool")
     .Output("seconds: double")
     .Attr("T: {float, double}")
+    .Attr("V: {float, double, bfloat16}")
     .Attr("N: int >= 1")
     .Attr("capacities: list(int)")
     .Attr("below: list(int)")
@@ -178,10 +237,10 @@ void Accumulate(int64_t n, const T* grad, const T* residual, bool scalar,
 // the cache. Returns the number selected before the capacity cut and flags
 // non-finite (and NaN) gradient entries; idx/val beyond the selected are left
 // for the caller to pad.
-template <typename T, bool kScalar>
+template <typename T, typename V, bool kScalar>
 inline int64_t AccumulatePackLoop(int64_t n, const T* grad, const T* residual,
                                   T tau, int64_t capacity, T* out,
-                                  int32_t* idx, T* val, int* bad, int* nan) {
+                                  int32_t* idx, V* val, int* bad, int* nan) {
   constexpr int64_t kBlock = 32;
   int64_t selected = 0;
   int not_finite = 0, not_a_number = 0;
@@ -204,8 +263,7 @@ inline int64_t AccumulatePackLoop(int64_t n, const T* grad, const T* residual,
       if (magnitude >= tau && magnitude > T(0)) {          // line 9
         if (selected < capacity) {                          // line 10
           idx[selected] = static_cast<int32_t>(i);
-          val[selected] = out[i];
-          out[i] = T(0);                                    // line 11
+          out[i] = Word<T, V>::Put(out[i], &val[selected]);  // line 11
         }  // else selected but no slot: kept, like the unselected
         ++selected;
       }
@@ -218,26 +276,26 @@ inline int64_t AccumulatePackLoop(int64_t n, const T* grad, const T* residual,
 
 // AccumulatePackLoop with out taking over grad's buffer or not (see
 // Accumulate).
-template <typename T>
+template <typename T, typename V>
 int64_t AccumulatePack(int64_t n, const T* grad, const T* residual,
                        bool scalar, T tau, int64_t capacity, T* out,
-                       int32_t* idx, T* val, bool* finite, bool* nan) {
+                       int32_t* idx, V* val, bool* finite, bool* nan) {
   int bad, not_a_number;
   int64_t selected;
   if (out == grad) {
-    selected = scalar ? AccumulatePackLoop<T, true>(n, out, residual, tau,
-                                                    capacity, out, idx, val,
-                                                    &bad, &not_a_number)
-                      : AccumulatePackLoop<T, false>(n, out, residual, tau,
-                                                     capacity, out, idx, val,
-                                                     &bad, &not_a_number);
+    selected = scalar ? AccumulatePackLoop<T, V, true>(n, out, residual, tau,
+                                                       capacity, out, idx, val,
+                                                       &bad, &not_a_number)
+                      : AccumulatePackLoop<T, V, false>(n, out, residual, tau,
+                                                        capacity, out, idx, val,
+                                                        &bad, &not_a_number);
   } else {
-    selected = scalar ? AccumulatePackLoop<T, true>(n, grad, residual, tau,
-                                                    capacity, out, idx, val,
-                                                    &bad, &not_a_number)
-                      : AccumulatePackLoop<T, false>(n, grad, residual, tau,
-                                                     capacity, out, idx, val,
-                                                     &bad, &not_a_number);
+    selected = scalar ? AccumulatePackLoop<T, V, true>(n, grad, residual, tau,
+                                                       capacity, out, idx, val,
+                                                       &bad, &not_a_number)
+                      : AccumulatePackLoop<T, V, false>(n, grad, residual, tau,
+                                                        capacity, out, idx, val,
+                                                        &bad, &not_a_number);
   }
   *finite = !bad;
   *nan = not_a_number;
@@ -245,11 +303,11 @@ int64_t AccumulatePack(int64_t n, const T* grad, const T* residual,
 }
 
 // Fills the slots after the first `used` of (idx, val) with padding: n and 0.
-template <typename T>
-void Pad(int64_t n, int64_t used, int64_t capacity, int32_t* idx, T* val) {
+template <typename V>
+void Pad(int64_t n, int64_t used, int64_t capacity, int32_t* idx, V* val) {
   for (int64_t j = used; j < capacity; ++j) {
     idx[j] = static_cast<int32_t>(n);
-    val[j] = T(0);
+    val[j] = V(0.0f);
   }
 }
 
@@ -259,17 +317,16 @@ void Pad(int64_t n, int64_t used, int64_t capacity, int32_t* idx, T* val) {
 // becomes the new residual). Returns the number selected before the capacity
 // cut. (Skipping blocks without a selected entry after a vectorized test
 // measured no faster at a density of 1%.)
-template <typename T>
+template <typename T, typename V>
 int64_t Pack(int64_t n, T tau, int64_t capacity, T* acc, int32_t* idx,
-             T* val) {
+             V* val) {
   int64_t selected = 0;
   for (int64_t i = 0; i < n; ++i) {
     const T magnitude = std::fabs(acc[i]);
     if (magnitude >= tau && magnitude > T(0)) {          // line 9
       if (selected < capacity) {                          // line 10
         idx[selected] = static_cast<int32_t>(i);
-        val[selected] = acc[i];
-        acc[i] = T(0);                                    // line 11
+        acc[i] = Word<T, V>::Put(acc[i], &val[selected]);  // line 11
       }  // else selected but no slot: kept, like the unselected
       ++selected;
     }
@@ -317,7 +374,7 @@ T OrderStatistic(int64_t n, int64_t m, const T* acc) {
 //      accumulate pass) is below lowest[v] or above highest[v], refresh as
 //      for 1 (early[v] = true); then select;
 //   2: reuse taus[v]: select.
-template <typename T>
+template <typename T, typename V>
 class SelectOp : public OpKernel {
  public:
   explicit SelectOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -384,7 +441,7 @@ class SelectOp : public OpKernel {
       const T* g = grad.flat<T>().data();
       const T* r = residual.flat<T>().data();
       int32_t* idx = idx_t->flat<int32_t>().data();
-      T* val = val_t->flat<T>().data();
+      V* val = val_t->flat<V>().data();
       T* acc = out_t->flat<T>().data();
       T tau = taus[v];
       bool finite, nan;
@@ -407,7 +464,7 @@ class SelectOp : public OpKernel {
                          (selected < lowest_[v] || selected > highest_[v]);
       if (early) {
         for (int64_t j = 0; j < std::min(selected, capacity); ++j) {
-          acc[idx[j]] = val[j];
+          acc[idx[j]] = Word<T, V>::Restore(val[j], acc[idx[j]]);
         }
         tau = below_[v] == 0 ? T(0) : OrderStatistic(n, below_[v], acc);  // lines 4-5
         selected = Pack(n, tau, capacity, acc, idx, val);           // lines 9-11
@@ -579,7 +636,7 @@ REGISTER_OP("TfDctEncode")
     .Input("idx: N * int32")
     .Input("val: N * T")
     .Output("payload: int32")
-    .Attr("T: {float, double}")
+    .Attr("T: {float, double, bfloat16}")
     .Attr("N: int >= 1")
     .Attr("ns: list(int)")
     .Attr("chunks: list(int)")
@@ -594,7 +651,7 @@ REGISTER_OP("TfDctEncode")
 
 // One replica's contribution to the all-gather of several vectors, as one
 // int32 vector: every vector's index words (Layout), in vector order, then
-// every vector's values, in vector order, sizeof(T) / 4 words per slot.
+// every vector's values, in vector order, ValueWords<T>(capacity) words each.
 // With `exact` each "ef" vector's stream is laid out for its used slots
 // (EliasFanoFor), zero-filled to the words of its capacity's.
 template <typename T>
@@ -623,7 +680,7 @@ class EncodeOp : public OpKernel {
       layouts.emplace_back(ns_[v], idx.NumElements(), chunks_[v],
                            count_bytes_[v], offset_bytes_[v], low_bits_[v]);
       index_words += layouts.back().words;
-      value_words += idx.NumElements() * (sizeof(T) / 4);
+      value_words += ValueWords<T>(idx.NumElements());
     }
     Tensor* payload_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
@@ -685,8 +742,11 @@ class EncodeOp : public OpKernel {
         }
       }
       words += layout.words;
-      std::memcpy(values, val, layout.capacity * sizeof(T));
-      values += layout.capacity * sizeof(T);
+      const int64_t bytes = layout.capacity * sizeof(T);
+      std::memcpy(values, val, bytes);
+      std::fill(values + bytes, values + 4 * ValueWords<T>(layout.capacity),
+                0);  // the filler half of an odd count of bfloat16
+      values += 4 * ValueWords<T>(layout.capacity);
     }
   }
 
@@ -702,6 +762,7 @@ REGISTER_OP("TfDctGatherSum")
     .Output("dense: N * T")
     .Output("nnz: int64")
     .Attr("T: {float, double}")
+    .Attr("V: {float, double, bfloat16}")
     .Attr("N: int >= 1")
     .Attr("ns: list(int)")
     .Attr("capacities: list(int)")
@@ -729,8 +790,9 @@ REGISTER_OP("TfDctGatherSum")
 // TfDctEncode output per row), and each sum's number of non-zero entries.
 // With `exact` the payloads are those of TfDctEncode with `exact`, and
 // `counts` ([rows, N]) gives each row's used slots per vector, hence the
-// layout of its "ef" streams; otherwise `counts` is not read.
-template <typename T>
+// layout of its "ef" streams; otherwise `counts` is not read. The values are
+// words of type V, widened to T (the sums' type) before they are added.
+template <typename T, typename V>
 class GatherSumOp : public OpKernel {
  public:
   explicit GatherSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -748,7 +810,7 @@ class GatherSumOp : public OpKernel {
       layouts_.emplace_back(ns_[v], capacities_[v], chunks_[v],
                             count_bytes_[v], offset_bytes_[v], low_bits_[v]);
       index_words_ += layouts_.back().words;
-      value_words_ += capacities_[v] * (sizeof(T) / 4);
+      value_words_ += ValueWords<V>(capacities_[v]);
     }
   }
 
@@ -804,8 +866,9 @@ class GatherSumOp : public OpKernel {
             payload + row * width + values_at);
         const auto add = [&](int64_t p, int64_t j) {
           if (p < 0 || p >= layout.n) return;  // padding
-          T value;
-          std::memcpy(&value, values + j * sizeof(T), sizeof(T));
+          V word;
+          std::memcpy(&word, values + j * sizeof(V), sizeof(V));
+          const T value = Word<T, V>::Widen(word);
           const T before = dense[p];
           const T after = before + value;
           dense[p] = after;
@@ -868,7 +931,7 @@ class GatherSumOp : public OpKernel {
       }
       nnz_t->flat<int64_t>()(v) = nnz;
       words_at += layout.words;
-      values_at += layout.capacity * (sizeof(T) / 4);
+      values_at += ValueWords<V>(layout.capacity);
     }
   }
 
@@ -880,18 +943,29 @@ class GatherSumOp : public OpKernel {
   std::vector<Layout> layouts_;
 };
 
+// Value words V of accumulators T: T itself, or bfloat16 for float.
+#define TF_DCT_REGISTER(T, V)                                           \
+  REGISTER_KERNEL_BUILDER(Name("TfDctSelect")                           \
+                              .Device(DEVICE_CPU)                       \
+                              .TypeConstraint<T>("T")                   \
+                              .TypeConstraint<V>("V"),                  \
+                          SelectOp<T, V>);                              \
+  REGISTER_KERNEL_BUILDER(Name("TfDctGatherSum")                        \
+                              .Device(DEVICE_CPU)                       \
+                              .TypeConstraint<T>("T")                   \
+                              .TypeConstraint<V>("V"),                  \
+                          GatherSumOp<T, V>)
+TF_DCT_REGISTER(float, float);
+TF_DCT_REGISTER(double, double);
+TF_DCT_REGISTER(float, bfloat16);
+#undef TF_DCT_REGISTER
 #define TF_DCT_REGISTER(T)                                              \
   REGISTER_KERNEL_BUILDER(                                              \
-      Name("TfDctSelect").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
-      SelectOp<T>);                                                    \
-  REGISTER_KERNEL_BUILDER(                                              \
-      Name("TfDctEncode").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
-      EncodeOp<T>);                                                    \
-  REGISTER_KERNEL_BUILDER(                                              \
-      Name("TfDctGatherSum").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-      GatherSumOp<T>)
+      Name("TfDctEncode").Device(DEVICE_CPU).TypeConstraint<T>("T"),    \
+      EncodeOp<T>)
 TF_DCT_REGISTER(float);
 TF_DCT_REGISTER(double);
+TF_DCT_REGISTER(bfloat16);
 #undef TF_DCT_REGISTER
 
 }  // namespace tf_dct
