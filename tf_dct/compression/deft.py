@@ -406,7 +406,9 @@ class DEFT(Compressor):
     # DEFT Algorithm 5 line 3 (loop over the owned partitions; static here).
     for x, (part, piece) in enumerate(zip(parts, pieces)):
       bound = min(part.size, max(k_total, self.min_count))
-      top = owned_top_k(tf.abs(piece), k[x], bound, owned[x])  # DEFT Alg. 5 line 4
+      # The selection starts after the start stamp, so the span contains it.
+      with tf.control_dependencies([start] if timing else []):
+        top = owned_top_k(tf.abs(piece), k[x], bound, owned[x])  # Alg. 5 l. 4
       rank = tf.range(bound)
       keep = tf.logical_and(owned[x], rank < k[x])
       # In position order: the partitions follow each other, so the union's
