@@ -283,10 +283,16 @@ class Compressor(tf.Module):
     self.momentum = momentum
     self.momentum_masking = momentum_masking
 
-  def _init_value_dtype(self, value_dtype) -> None:
-    """Validates and sets `value_dtype` (after `_init_momentum`)."""
+  def _init_value_dtype(self, value_dtype, auto: str | None = None) -> None:
+    """Validates and sets `value_dtype` (after `_init_momentum`).
+
+    A compressor that accepts "auto" passes what it stands for as `auto`;
+    "auto" means the variable's dtype under `momentum_masking`.
+    """
     owner = type(self).__name__
-    sparse_wire.check_value_dtype(owner, value_dtype)
+    sparse_wire.check_value_dtype(owner, value_dtype, auto=auto is not None)
+    if isinstance(value_dtype, str) and value_dtype == "auto":
+      value_dtype = None if self.momentum_masking else auto
     if value_dtype is not None and self.momentum_masking:
       raise ValueError(f"{owner}: value_dtype must be None with "
                        "momentum_masking=True (masking finds the sent entries "

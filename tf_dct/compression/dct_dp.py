@@ -273,12 +273,13 @@ class DCTDP(Compressor):
       guard off: Algorithm 1 exactly.
     index_encoding: "auto", "int32", "chunk16", "chunk8" or "ef" (see
       `sparse_wire`).
-    value_dtype: None (default: values travel in the variable's dtype) or
-      "bfloat16": a float32 variable's values travel rounded to bfloat16,
-      two to an int32 word, and each replica keeps the rounding error in
-      its residual (`sparse_wire.round_values`); the sum is taken in
-      float32. Other dtypes are sent as they are. Not with
-      `momentum_masking`, which reads "sent" off a zero residual.
+    value_dtype: "auto" (default), "bfloat16" or None. "bfloat16": a
+      float32 variable's values travel rounded to bfloat16, two to an int32
+      word, and each replica keeps the rounding error in its residual
+      (`sparse_wire.round_values`), so nothing is lost, only delayed; the
+      sum is taken in float32. Other dtypes are sent as they are. None:
+      values travel in the variable's dtype. "auto": "bfloat16", or None
+      with `momentum_masking` (which reads "sent" off a zero residual).
     exclude: regular expressions searched in variable names; matching
       variables are all-reduced as they are (`tf.IndexedSlices` stay sparse
       and are all-gathered) and keep no state, e.g. `("embedding",)` to
@@ -386,7 +387,7 @@ class DCTDP(Compressor):
                batch_capacity: int | None = None,
                threshold_gain: float = 0.0,
                threshold_max_factor: float = 2.0,
-               value_dtype: str | None = None):
+               value_dtype: str | None = "auto"):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
@@ -415,7 +416,7 @@ class DCTDP(Compressor):
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)
     self._init_adagrad(adagrad, adagrad_accumulator)
-    self._init_value_dtype(value_dtype)
+    self._init_value_dtype(value_dtype, auto="bfloat16")
     if index_encoding != "auto" and index_encoding not in sparse_wire.ENCODINGS:
       raise ValueError(f"DCTDP: index_encoding must be 'auto' or one of "
                        f"{sparse_wire.ENCODINGS}, got {index_encoding!r}")

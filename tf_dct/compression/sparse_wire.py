@@ -181,12 +181,16 @@ VALUE_DTYPES = (None, "bfloat16")
 TINY = 2.0**-103
 
 
-def check_value_dtype(owner: str, value_dtype) -> str | None:
-  """`value_dtype` if it is one of `VALUE_DTYPES`, else a ValueError naming it."""
+def check_value_dtype(owner: str, value_dtype, auto: bool = False) -> str | None:
+  """`value_dtype` if it is one of `VALUE_DTYPES` (or "auto" where `auto`
+  allows it), else a ValueError naming it."""
+  allowed = VALUE_DTYPES + (("auto",) if auto else ())
   if not any(value_dtype is d or (isinstance(value_dtype, str) and value_dtype == d)
-             for d in VALUE_DTYPES):
-    raise ValueError(f"{owner}: value_dtype must be None (the variable's dtype) "
-                     f"or 'bfloat16', got {value_dtype!r}")
+             for d in allowed):
+    raise ValueError(f"{owner}: value_dtype must be "
+                     + ("'auto', " if auto else "")
+                     + f"None (the variable's dtype) or 'bfloat16', got "
+                     f"{value_dtype!r}")
   return value_dtype
 
 
