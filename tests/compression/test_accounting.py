@@ -105,12 +105,13 @@ class ByteModelTest(tf.test.TestCase, parameterized.TestCase):
     grads = [[[rng.normal(size=s).astype(np.float32) for s in shapes]
               for _ in range(replicas)] for _ in range(2)]
     self.assertEqual(sparse_wire.choose_encoding(40, 4).name, "ef")
-    # Index word + 4 float32 values, all slots used on both replicas at both
-    # steps; with exact sizes also the header (the row length and w0's
-    # count) and the int32 length TensorFlow gathers first.
-    p = 4 + 4 * 4 + 2 * 4 + 4
+    # Index word + 4 bfloat16 values (the default), two to a word, all slots
+    # used on both replicas at both steps; with exact sizes also the header
+    # (the row length and w0's count) and the int32 length TensorFlow
+    # gathers first.
+    p = 4 + 2 * 4 + 2 * 4 + 4
     m = 3 * 4
-    sent = (replicas - 1) * p + 2 * (replicas - 1) / replicas * m   # 44
+    sent = (replicas - 1) * p + 2 * (replicas - 1) / replicas * m   # 36
     dense = 2 * (replicas - 1) / replicas * 4 * 43                  # 172
     logdir = self.create_tempdir().full_path
     compressor = DCTDP(sparsity=0.9, threshold_life=10, capacity_factor=1.0,

@@ -276,11 +276,14 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_auto_prices_the_distinct_rows(self):
     # 32 ids per replica of a 64 x 4 table: as they come, 4 + 32 * 20 = 644
-    # bytes on each other replica, more than DCTDP(0.99)'s 560; after
-    # summing duplicates, an expected 26.4 rows on the larger of 2 replicas,
-    # 4 + 26.4 * 20 + 4 = 536 bytes, fewer.
+    # bytes on each other replica, more than DCTDP(0.99)'s 560 with float32
+    # values; after summing duplicates, an expected 26.4 rows on the larger
+    # of 2 replicas, 4 + 26.4 * 20 + 4 = 536 bytes, fewer. (With bfloat16
+    # values, the default, the exchange costs 304 bytes: no rows win.)
     shape, ids = (64, 4), 32
-    compressor = compression.DCTDP(sparsity=0.99)
+    self.assertEqual(compression.DCTDP(sparsity=0.99).compressed_bytes(
+        tf.Variable(tf.zeros(shape))), (304, 0))
+    compressor = compression.DCTDP(sparsity=0.99, value_dtype=None)
     with tf.device("/cpu:0"):
       table = tf.Variable(tf.zeros(shape))
     grad = tf.IndexedSlices(tf.zeros([ids, shape[1]]), tf.range(ids),
@@ -309,7 +312,7 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     price()
     self.assertEqual(under_xla, [False])
     # In a step "auto" sends the table as rows: the exact sums.
-    compressor = compression.DCTDP(sparsity=0.99)
+    compressor = compression.DCTDP(sparsity=0.99, value_dtype=None)
     out, exact, tables, _ = _sparse_run(compressor, steps=1,
                                         tables={"mid": shape + (ids,)})
     self.assertTrue(compressor.sends_as_is(tables["mid"]))
@@ -404,9 +407,11 @@ class DuplicateRowsTest(tf.test.TestCase, parameterized.TestCase):
 
 
 # Dense gradients of a bias (8 entries) and a kernel (8 x 4 = 32) on 2
-# replicas, DCTDP(sparsity=0.99, min_count=8): the bias's 8 wire slots cost
-# 36 bytes against its 32-byte all-reduce, the kernel's 16 slots 72 bytes
-# against 128 (ring model: one peer, an all-reduce moves 2 (n - 1) / n x).
+# replicas, DCTDP(sparsity=0.99, min_count=8, value_dtype=None) (float32
+# values): the bias's 8 wire slots cost 36 bytes against its 32-byte
+# all-reduce, the kernel's 16 slots 72 bytes against 128 (ring model: one
+# peer, an all-reduce moves 2 (n - 1) / n x). With bfloat16 values (the
+# default) they cost 20 and 40 bytes (test_break_even_grows_with_replicas).
 DENSE = {"bias": ([8], np.float32), "kernel": ([8, 4], np.float32)}
 
 
@@ -460,7 +465,8 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     # With momentum correction the bias's aggregate is the sum of the
     # replicas' velocities u = 0.9 u + g, nothing held back; the kernel is
     # compressed.
-    compressor = compression.DCTDP(sparsity=0.99, min_count=8, momentum=0.9)
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8, momentum=0.9,
+                                   value_dtype=None)
     out, _, variables = _dense_run(compressor)
     bias, kernel = variables["bias"], variables["kernel"]
     self.assertTrue(compressor.sends_whole(bias))
@@ -492,7 +498,8 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     # A NaN in the kernel's gradient on replica 1 rejects the step: neither
     # the bias (sent whole, finite gradients) nor the kernel on replica 0
     # (finite there) moves its velocity or any other state.
-    compressor = compression.DCTDP(sparsity=0.99, min_count=8, momentum=0.9)
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8, momentum=0.9,
+                                   value_dtype=None)
     rng = np.random.default_rng(5)
     bias_g = rng.normal(size=[2, REPLICAS, 8]).astype(np.float32)
     kernel_g = rng.normal(size=[2, REPLICAS, 8, 4]).astype(np.float32)
@@ -522,7 +529,7 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_compress_always_compresses(self):
     compressor = compression.DCTDP(sparsity=0.99, min_count=8,
-                                   dense_gradients="compress")
+                                   dense_gradients="compress", value_dtype=None)
     compressor.exact_sizes = True  # as across workers
     _, _, variables = _dense_run(compressor, steps=1)
     self.assertFalse(compressor.sends_whole(variables["bias"]))
@@ -542,7 +549,7 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     # sums, the bias's 8 entries) goes with a whole variable as with a
     # compressed one, so the choice is the same as without it: the bias is
     # sent whole (32 + 32 bytes), the kernel compressed (72 + 48).
-    compressor = compression.DCTDP(sparsity=0.99, min_count=8)
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8, value_dtype=None)
     compressor.set_adam(0.9, 0.999, 1e-7)
     _, _, variables = _dense_run(compressor, steps=1)
     self.assertTrue(compressor.sends_whole(variables["bias"]))
@@ -559,10 +566,21 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     # The kernel's exchange: (n - 1) x 72 gathered against 2 (n - 1) / n x
     # 128 all-reduced: compressed on 2 replicas (72 < 128), dense on 4
     # (216 > 192).
-    compressor = compression.DCTDP(sparsity=0.99, min_count=8)
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8, value_dtype=None)
     kernel = tf.Variable(tf.zeros([8, 4]))
     self.assertFalse(compressor.dense_is_cheaper(kernel, 2))
     self.assertTrue(compressor.dense_is_cheaper(kernel, 4))
+    # bfloat16 values (the default), two to a word: the bias's 8 slots are
+    # 4 value words and 1 index word (20 bytes), the kernel's 16 slots 8 and
+    # 2 (40 bytes). The bias: compressed on 2 replicas (20 < 32), whole on 4
+    # (60 > 48); the kernel compressed on 4 too (120 < 192).
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8)
+    bias = tf.Variable(tf.zeros([8]))
+    self.assertEqual(compressor.compressed_bytes(bias), (20, 0))
+    self.assertEqual(compressor.compressed_bytes(kernel), (40, 0))
+    self.assertFalse(compressor.dense_is_cheaper(bias, 2))
+    self.assertTrue(compressor.dense_is_cheaper(bias, 4))
+    self.assertFalse(compressor.dense_is_cheaper(kernel, 4))
 
   def test_variables_of_several_dtypes(self):
     # Variables all-reduced whole are batched per dtype. With at most 16
@@ -578,7 +596,7 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(out[0][r][i], exact[0][i], atol=1e-6, rtol=0)
 
   def test_under_xla(self):
-    compressor = compression.DCTDP(sparsity=0.99, min_count=8)
+    compressor = compression.DCTDP(sparsity=0.99, min_count=8, value_dtype=None)
     out, exact, made = _dense_run(compressor, replicas=1, jit_compile=True)
     self.assertTrue(compressor.sends_whole(made["bias"]))
     self.assertFalse(compressor.sends_whole(made["kernel"]))
@@ -608,7 +626,9 @@ class SparseGradientsKerasTest(tf.test.TestCase, parameterized.TestCase):
     devices = [f"/cpu:{i}" for i in range(REPLICAS)]
     weights = {}
     for label, make in (("dense", compression.Dense),
-                        ("dct", lambda: compression.DCTDP(sparsity=0.99))):
+                        # float32 values: rows as TF sends them cost less
+                        ("dct", lambda: compression.DCTDP(sparsity=0.99,
+                                                          value_dtype=None))):
       repl = tf_dct.Replicator(devices)
       with repl.scope():
         tf.keras.utils.set_random_seed(3)

@@ -90,7 +90,8 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
   )
   def test_matches_reference(self, replicas, extra, fuse_size=None,
                              native=None):
-    # min_count=0 unless given: Algorithm 1 as written.
+    # min_count=0 unless given: Algorithm 1 as written; float32 values, as
+    # the reference sends them (bfloat16 values: the test below).
     kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5,
                   **{"min_count": 0, **extra})
     grads = harness.gradients(12, replicas, seed=replicas)
@@ -100,8 +101,8 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
     # unless fuse_size sends each through the selection on its own.
     with _fuse_size(fuse_size):
       _, _, history = self._compare(
-          DCTDP(density_band=None, native=native, **kwargs), grads, replicas,
-          kwargs)
+          DCTDP(density_band=None, native=native, value_dtype=None, **kwargs),
+          grads, replicas, kwargs)
     # The run exercised what it is meant to: sparse steps and, thanks to the
     # tied variable, threshold ties beyond capacity.
     sent = np.array([h[1][0]["sent"] for h in history])
@@ -112,17 +113,18 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.named_parameters(("native", None), ("stock", False))
   def test_bfloat16_values_match_reference(self, native):
-    # One step from zero residuals: the selection is Algorithm 1's; each
-    # sent value travels rounded to bfloat16 (nearest even), the update is
-    # the float32 sum of those in replica order, and the rounding error
-    # stays in the residual where the value was sent.
+    # The default value_dtype ("auto": bfloat16 value words). One step from
+    # zero residuals: the selection is Algorithm 1's; each sent value
+    # travels rounded to bfloat16 (nearest even), the update is the float32
+    # sum of those in replica order, and the rounding error stays in the
+    # residual where the value was sent.
     replicas = 2
     kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5,
                   min_count=0)
     grads = harness.gradients(1, replicas, seed=5)
-    *_, history = harness.run(
-        DCTDP(density_band=None, native=native, value_dtype="bfloat16",
-              **kwargs), grads, replicas)
+    compressor = DCTDP(density_band=None, native=native, **kwargs)
+    self.assertEqual(compressor.value_dtype, "bfloat16")
+    *_, history = harness.run(compressor, grads, replicas)
     out, states = history[0]
     for v, shape in enumerate(SHAPES):
       ref = reference.dct_dp_reference([[g[v] for g in grads[0]]], **kwargs)[0]
@@ -157,7 +159,8 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
     big = [[rng.uniform(1.0, 2.0, size=(n,)).astype(np.float32)]
            for _ in range(replicas)]
     grads = [small, big]
-    *_, history = harness.run(DCTDP(density_band=None, **kwargs), grads, replicas,
+    *_, history = harness.run(DCTDP(density_band=None, value_dtype=None,
+                                    **kwargs), grads, replicas,
                               shapes=[(n,)], autograph=True)
     ref = reference.dct_dp_reference([[g[0] for g in s] for s in grads], **kwargs)
     (out0, st0), (out1, st1) = history
@@ -183,8 +186,9 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
     grads = harness.gradients(7, 1, seed=11)
     # jit_compile=True turns any op XLA cannot compile into an error, so the
     # run itself proves the step (dense, warmup and sparse paths) compiles.
-    repl, step_fn, _ = self._compare(DCTDP(density_band=None, **kwargs), grads, 1,
-                                     kwargs, jit_compile=True)
+    repl, step_fn, _ = self._compare(
+        DCTDP(density_band=None, value_dtype=None, **kwargs), grads, 1, kwargs,
+        jit_compile=True)
     step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
     self.assertTrue(step.replicated_step._jit_compile)  # pylint: disable=protected-access
 
@@ -195,7 +199,7 @@ class ConservationTest(tf.test.TestCase):
   def test_conservation_with_checkpoint(self):
     residuals = harness.check_conservation(
         self, DCTDP(sparsity=0.9, threshold_life=7, capacity_factor=1.5,
-                    min_count=8),
+                    min_count=8, value_dtype=None),
         layers=conservation.TWO_LAYERS)
     # Replicas held back different errors (per-replica state). (The 1-entry
     # output bias has m = floor(0.9) = 0: always sent whole, residual 0.)
@@ -203,11 +207,14 @@ class ConservationTest(tf.test.TestCase):
     self.assertAllEqual(residuals[3], np.zeros((4, 1)))
 
   def test_conservation_with_bfloat16_values(self):
-    # The rounding error of each bfloat16 value stays in the residual, so
-    # nothing is lost; the restore brings the residuals back exactly.
+    # The default value_dtype: the rounding error of each bfloat16 value
+    # stays in the residual, so nothing is lost; the restore brings the
+    # residuals back exactly.
+    compressor = DCTDP(sparsity=0.9, threshold_life=7, capacity_factor=1.5,
+                       min_count=8)
+    self.assertEqual(compressor.value_dtype, "bfloat16")
     residuals = harness.check_conservation(
-        self, DCTDP(sparsity=0.9, threshold_life=7, capacity_factor=1.5,
-                    min_count=8, value_dtype="bfloat16"),
+        self, compressor,
         steps=40, layers=conservation.TWO_LAYERS)
     self.assertNotAllClose(residuals[0][0], residuals[0][1])
 
@@ -239,8 +246,8 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("max_factor_inf", {"threshold_max_factor": float("inf")},
        "threshold_max_factor"),
       ("value_dtype_float16", {"value_dtype": "float16"},
-       "DCTDP: value_dtype must be None \\(the variable's dtype\\) or "
-       "'bfloat16', got 'float16'"),
+       "DCTDP: value_dtype must be 'auto', None \\(the variable's dtype\\) "
+       "or 'bfloat16', got 'float16'"),
       ("value_dtype_masking", {"value_dtype": "bfloat16",
                                "momentum_masking": True},
        "DCTDP: value_dtype must be None with momentum_masking=True"),
@@ -248,6 +255,16 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
   def test_bad_argument(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):
       DCTDP(**kwargs)
+
+  def test_value_dtype_auto(self):
+    # "auto" (the default) is bfloat16 value words, or the variable's dtype
+    # under momentum_masking; config() holds what it resolved to.
+    for kwargs, want in (({}, "bfloat16"), ({"value_dtype": "auto"}, "bfloat16"),
+                         ({"momentum": 0.9, "momentum_masking": True}, None),
+                         ({"value_dtype": None}, None)):
+      compressor = DCTDP(**kwargs)
+      self.assertEqual(compressor.value_dtype, want, msg=kwargs)
+      self.assertEqual(compressor.config()["value_dtype"], want, msg=kwargs)
 
   def test_fuse_size_groups_the_small_variables(self):
     # 30, 17, 40 and 700 entries, every one with state, stock selection.
@@ -638,7 +655,8 @@ class DensityGuardTest(tf.test.TestCase, parameterized.TestCase):
     # The scale grows 1.5x per step: a reused tau selects ever more entries.
     grads = [[[(rng.normal(size=n) * 1.5**t).astype(np.float32)]
               for _ in range(replicas)] for t in range(steps)]
-    guarded = DCTDP(**kwargs)  # the default band is (0.5, 2.0)
+    # float32 values, as the reference's residuals hold them
+    guarded = DCTDP(value_dtype=None, **kwargs)  # default band (0.5, 2.0)
     self.assertEqual(guarded.density_band, band)
     *_, history = harness.run(guarded, grads, replicas, shapes=[(n,)],
                               jit_compile=jit)

@@ -219,8 +219,9 @@ class SparsityScheduleTest(tf.test.TestCase, parameterized.TestCase):
     settings = dict(sparsity=0.9, threshold_life=100, capacity_factor=1.5,
                     warmup_steps=1, sparsity_schedule=((2, 0.5), (2, 0.7)))
     grads = harness.gradients(7, 2, seed=3)
+    # float32 values, as the reference sends them
     comp = DCTDP(density_band=None, min_count=0, native=native,
-                             **settings)
+                 value_dtype=None, **settings)
     _, _, _, history = harness.run(comp, grads, 2, phases=True)
     for v in range(len(harness.SHAPES)):
       ref = reference.dct_dp_reference([[g[v] for g in step] for step in grads],

@@ -930,6 +930,17 @@ class ValueWordTest(tf.test.TestCase, parameterized.TestCase):
         r"'bfloat16', got "):
       sparse_wire.check_value_dtype("X", value_dtype)
 
+  def test_auto_value_dtype(self):
+    # "auto" passes only where the owner allows it; the error then names it.
+    self.assertEqual(sparse_wire.check_value_dtype("X", "auto", auto=True),
+                     "auto")
+    with self.assertRaisesRegex(ValueError, r"^X: value_dtype must be None "):
+      sparse_wire.check_value_dtype("X", "auto")
+    with self.assertRaisesRegex(
+        ValueError, r"^X: value_dtype must be 'auto', None \(the variable's "
+        r"dtype\) or 'bfloat16', got 'float16'$"):
+      sparse_wire.check_value_dtype("X", "float16", auto=True)
+
   @parameterized.named_parameters(("stock_batched", None, False),
                                   ("one_by_one", 0, False),
                                   ("native", None, True))

@@ -128,6 +128,10 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("value_dtype", {"value_dtype": "half"},
        "TopK: value_dtype must be None \\(the variable's dtype\\) or "
        "'bfloat16', got 'half'"),
+      # "auto" is DCTDP's alone: TopK's values keep the variable's dtype.
+      ("value_dtype_auto", {"value_dtype": "auto"},
+       "^TopK: value_dtype must be None \\(the variable's dtype\\) or "
+       "'bfloat16', got 'auto'$"),
   )
   def test_bad_argument(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):
