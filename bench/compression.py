@@ -29,7 +29,8 @@ Prints:
     compressors on `sparse_wire`, the index bits per sent entry of the last
     step under "auto" (as run), the best of int32 / chunk16 / chunk8, "ef",
     and the floor log2(N/k) + 1.44, and the value bits per sent entry
-    (32, or 16 with `value_dtype="bfloat16"`: the "bf16" names).
+    (16 for DCT-DP's default `value_dtype="auto"`, bfloat16, and the "bf16"
+    names; 32 for the "fp32" name and the other compressors' default).
 (b) achieved density nnz(aggregate) / N per compressor: real replicas at
     n = 2 and 4 (the same training runs), and a numpy simulation at n = 2, 4,
     8, 16 of each algorithm with error feedback on real per-replica gradients
@@ -111,7 +112,7 @@ DENSITY = 0.01
 BOTTOM = [512, 256, 64, 16]
 TOP = [512, 256, 128, 1]
 DENSE_IN, INTER = 13, 351          # 16 + 351 = 367 top-MLP input
-NAMES = ["Dense", "DCTDP(L=1000)", "DCTDP(L=1000,bf16)", "DCTDP(L=1000,cf=1)",
+NAMES = ["Dense", "DCTDP(L=1000)", "DCTDP(L=1000,fp32)", "DCTDP(L=1000,cf=1)",
          "DCTDP(L=1000,min=1024)", "DCTDP(L=1)", "DEFT", "TopK", "TopK(bf16)",
          "CLTK", "HardThreshold"]
 # Timed only when asked for (--step_time_only --compressors=...): DCT-DP with
@@ -181,10 +182,11 @@ def make_compressor(name, lam):
           "DCTDP(L=1000,min=1024)": lambda: compression.DCTDP(
               0.99, threshold_life=1000, min_size=1024),
           "DCTDP(L=1)": lambda: compression.DCTDP(0.99, threshold_life=1),
-          # bf16: values travel as bfloat16, two to a word, the rounding
-          # error kept in the residual (`value_dtype`).
-          "DCTDP(L=1000,bf16)": lambda: compression.DCTDP(
-              0.99, threshold_life=1000, value_dtype="bfloat16"),
+          # fp32: values travel as float32 (`value_dtype=None`); DCT-DP's
+          # default sends them as bfloat16, two to a word, the rounding error
+          # kept in the residual. TopK(bf16) is TopK with DCT-DP's default.
+          "DCTDP(L=1000,fp32)": lambda: compression.DCTDP(
+              0.99, threshold_life=1000, value_dtype=None),
           "TopK(bf16)": lambda: compression.TopK(DENSITY,
                                                  value_dtype="bfloat16"),
           "DEFT": lambda: compression.DEFT(DENSITY),

@@ -52,12 +52,16 @@ def test_every_listed_compressor_is_built_as_named():
       "  c = b.make_compressor(name, 1e-3)\n"
       "  out[name] = [type(c).__name__, getattr(c, 'min_size', None),\n"
       "               getattr(c, 'threshold_life', None),\n"
-      "               getattr(c, 'capacity_factor', None)]\n"
+      "               getattr(c, 'capacity_factor', None),\n"
+      "               getattr(c, 'value_dtype', None)]\n"
       "print(json.dumps(out))\n")
   built = _json_of(script)
-  assert built["DCTDP(L=1000)"] == ["DCTDP", 0, 1000, 2.0]
-  assert built["DCTDP(L=1000,min=1024)"] == ["DCTDP", 1024, 1000, 2.0]
-  assert built["DCTDP(L=1000,cf=1)"] == ["DCTDP", 0, 1000, 1.0]
+  assert built["DCTDP(L=1000)"] == ["DCTDP", 0, 1000, 2.0, "bfloat16"]
+  assert built["DCTDP(L=1000,fp32)"] == ["DCTDP", 0, 1000, 2.0, None]
+  assert built["TopK(bf16)"][-1] == "bfloat16" and built["TopK"][-1] is None
+  assert built["DCTDP(L=1000,min=1024)"] == ["DCTDP", 1024, 1000, 2.0,
+                                             "bfloat16"]
+  assert built["DCTDP(L=1000,cf=1)"] == ["DCTDP", 0, 1000, 1.0, "bfloat16"]
   assert built["DCTDP(L=1)"][2] == 1
   assert built["DEFT"][0] == "DEFT" and built["Dense"][0] == "Dense"
 
@@ -85,7 +89,7 @@ def test_wire_capacity_prices_what_each_compressor_sends():
       "  out[name] = rows + [b.exchanges_sparse_wire(name)]\n"
       "print(json.dumps(out))\n")
   priced = _json_of(script)
-  on_wire = {"DCTDP(L=1000)", "DCTDP(L=1000,bf16)", "DCTDP(L=1000,cf=1)",
+  on_wire = {"DCTDP(L=1000)", "DCTDP(L=1000,fp32)", "DCTDP(L=1000,cf=1)",
              "DCTDP(L=1000,min=1024)", "DCTDP(L=1)", "TopK", "TopK(bf16)",
              "HardThreshold"}
   for name, rows in priced.items():
@@ -93,8 +97,11 @@ def test_wire_capacity_prices_what_each_compressor_sends():
     assert rows.pop() == (name in on_wire), name
     if name in on_wire:
       assert all(ours == theirs for ours, theirs in rows), (name, rows)
-      if "bf16" in name:  # two bytes a value: fewer than the float32 twin
-        twin = priced[name.replace(",bf16", "").replace("(bf16)", "")]
+      # Two bytes a value (DCT-DP's default, the "bf16" names): fewer than
+      # the float32 twin ("fp32", TopK's default).
+      twins = {"DCTDP(L=1000)": "DCTDP(L=1000,fp32)", "TopK(bf16)": "TopK"}
+      if name in twins:
+        twin = priced[twins[name]]
         assert all(ours[0] < theirs[0] for ours, theirs in zip(rows, twin))
     else:
       assert rows == [None, None], name
