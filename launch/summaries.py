@@ -87,6 +87,8 @@ def hparams(cfg: dict, num_replicas: int, *, sparsifier: bool,
     out["threshold"] = cfg["threshold"]
     if "density" in cfg.get("explicit", ()):
       out["density"] = cfg["density"]
+  if comp in ("dct", "topk", "threshold"):  # train.VALUE_WORDS
+    out["value_dtype"] = cfg.get("value_dtype", "auto")
   if sparsifier:
     if cfg.get("min_count") is not None:
       out["min_count"] = cfg["min_count"]

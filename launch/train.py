@@ -193,6 +193,11 @@ MOMENTUM = 0.9
 # Compressors with an error-feedback residual: they take --min_count and can
 # keep the momentum themselves (DGC momentum correction).
 SPARSIFIERS = ("dct", "deft", "topk")
+# Compressors on the sparse wire: they take --value_dtype.
+VALUE_WORDS = ("dct", "topk", "threshold")
+# --value_dtype -> the compressors' `value_dtype` (auto: not passed, the
+# compressor's default).
+VALUE_DTYPES = {"float32": None, "bfloat16": "bfloat16"}
 # Decoupled weight decay of --optimizer=adamw (scaled by the learning rate, as
 # in keras.optimizers.AdamW and torch.optim.AdamW).
 ADAMW_WEIGHT_DECAY = 0.01
@@ -257,6 +262,11 @@ flags.DEFINE_enum("sparse_gradients", "auto", ("auto", "stock", "compress"),
                   "Embedding tables' IndexedSlices gradients: stock sends the touched rows "
                   "as TF does (exact, an all-gather); compress compresses the table; auto "
                   "picks per table whichever moves fewer bytes.")
+flags.DEFINE_enum("value_dtype", "auto", ("auto", "float32", "bfloat16"),
+                  "dct/topk/threshold: the dtype a sent value travels in. bfloat16: two "
+                  "values to an int32 word, each replica keeping the rounding error in its "
+                  "residual; float32: the variable's dtype; auto: the compressor's default "
+                  "(dct bfloat16, topk and threshold float32).")
 flags.DEFINE_enum("dense_gradients", "auto", ("auto", "compress"),
                   "Dense gradients: auto all-reduces a variable whole (keeping the "
                   "compressor's momentum or Adam correction) where that moves no more bytes "
@@ -573,6 +583,9 @@ def validate(cfg: dict) -> None:
     raise FlagError("--adam_correction applies to --optimizer=adam/adamw with "
                     f"--compression={'/'.join(SPARSIFIERS)}; this run has "
                     f"--optimizer={cfg['optimizer']} --compression={comp}")
+  if cfg.get("value_dtype", "auto") != "auto" and comp not in VALUE_WORDS:
+    raise FlagError(f"--value_dtype is for --compression={'/'.join(VALUE_WORDS)}, not "
+                    f"--compression={comp}")
   exclude = cfg.get("compression_exclude") or []
   if exclude and comp == "none":
     raise FlagError("--compression_exclude needs a compressor; --compression=none "
@@ -654,6 +667,8 @@ def make_compressor(cfg: dict, cls: type | None = None):
             "exclude": tuple(cfg.get("compression_exclude") or ()),
             "sparse_gradients": cfg.get("sparse_gradients", "auto"),
             "dense_gradients": cfg.get("dense_gradients", "auto")}
+  if cfg.get("value_dtype", "auto") != "auto":
+    common["value_dtype"] = VALUE_DTYPES[cfg["value_dtype"]]
   if comp in SPARSIFIERS:
     if cfg.get("min_count") is not None:
       common["min_count"] = cfg["min_count"]
@@ -1306,6 +1321,9 @@ class Job:
         "compression": cfg["compression"], "mp_splits": list(cfg["splits"]),
         "adam_correction": bool(self.compressor is not None
                                 and self.compressor.corrects_adam),
+        # What --value_dtype resolved to: "bfloat16" or None (the
+        # variable's dtype); None without a sparse-wire compressor.
+        "value_dtype": getattr(self.compressor, "value_dtype", None),
         "sent_as_rows": self._variables_where(
             lambda v: self.compressor.sends_as_is(v) and not self.compressor.is_excluded(v)),
         "sent_whole": self._variables_where(lambda v: self.compressor.sends_whole(v)),
@@ -1340,6 +1358,9 @@ def print_table(s: dict, cfg: dict) -> None:
     options.append(f"density {cfg['density']}")
   elif comp == "threshold":
     options.append(f"lambda {cfg['threshold']}")
+  if comp in VALUE_WORDS:
+    options.append("bfloat16 values" if s.get("value_dtype") == "bfloat16"
+                   else "values in the variable's dtype")
   if comp in SPARSIFIERS:
     if cfg.get("min_count") is not None:
       options.append(f"min_count {cfg['min_count']}")

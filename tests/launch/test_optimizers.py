@@ -224,7 +224,8 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
       s = job.run()
-    self.assertIn("topk (density 0.1, min_count 2, momentum correction)", out.getvalue())
+    self.assertIn("topk (density 0.1, values in the variable's dtype, min_count 2, "
+                  "momentum correction)", out.getvalue())
     self.assertTrue(all(math.isfinite(l) for l in s["losses"]), s["losses"])
     self.assertLess(s["final_loss_mean"], s["first_loss_mean"], s["losses"])
     self.assertGreater(s["communication"]["dense_bytes"], s["communication"]["bytes_sent"])

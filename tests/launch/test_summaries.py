@@ -139,6 +139,7 @@ class LayoutTest(tf.test.TestCase):
     self.assertAllClose(hp["sparsity"], 0.9)
     self.assertAllClose(hp["learning_rate"], self.cfg["learning_rate"])
     self.assertNotIn("density", hp)  # not a dct option
+    self.assertEqual(hp["value_dtype"], "auto")
     self.assertEqual(hp["mp_splits"], "none")
 
 

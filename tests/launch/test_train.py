@@ -445,6 +445,26 @@ class CompressionExcludeTest(tf.test.TestCase):
                                               dense_gradients="compress"))
       self.assertEqual(compressor.dense_gradients, "compress", comp)
 
+  def test_value_dtype_reaches_the_compressor(self):
+    # auto: the compressor's default (dct bfloat16, topk and threshold the
+    # variable's dtype); float32 is value_dtype=None.
+    want = {("dct", "auto"): "bfloat16", ("topk", "auto"): None,
+            ("threshold", "auto"): None}
+    for comp in ("dct", "topk", "threshold"):
+      for choice in ("auto", "float32", "bfloat16"):
+        compressor = train.make_compressor(_cfg(model="dlrm", compression=comp,
+                                                value_dtype=choice))
+        self.assertEqual(compressor.value_dtype,
+                         want.get((comp, choice), train.VALUE_DTYPES.get(choice)),
+                         (comp, choice))
+    for comp in ("none", "deft", "cltk"):
+      self.assertIsNone(getattr(train.make_compressor(_cfg(model="dlrm", compression=comp)),
+                                "value_dtype", None), comp)
+      with self.assertRaisesRegex(train.FlagError,
+                                  r"^--value_dtype is for --compression=dct/topk/threshold, "
+                                  f"not --compression={comp}$"):
+        _cfg(model="dlrm", compression=comp, value_dtype="float32")
+
 
 class FlagErrorsTest(tf.test.TestCase):
 
