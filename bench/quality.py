@@ -105,12 +105,13 @@ DOC_END = "<!-- end of results -->"
 # "paper": the published algorithms (no per-variable floor on the entries
 # sent, no momentum or Adam correction, every variable compressed; for DCT-DP
 # no density guard either, so a threshold lives its full L steps as in
-# Algorithm 1). A new option is one more line here.
+# Algorithm 1, and float32 values, not DCT-DP's default bfloat16 value
+# words). A new option is one more line here.
 PAPER = {"min_count": 0, "momentum": 0.0, "adam": False, "dense_gradients": "compress"}
 COMPRESSORS: dict[str, tuple[str, dict]] = {
     "dense": ("none", {}),
     "dct": ("dct", {}),
-    "dct_paper": ("dct", {**PAPER, "density_band": None}),
+    "dct_paper": ("dct", {**PAPER, "density_band": None, "value_dtype": None}),
     "topk": ("topk", {}),
     "topk_paper": ("topk", PAPER),
     "deft": ("deft", {}),

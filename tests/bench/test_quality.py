@@ -293,10 +293,14 @@ class FlagsTest(parameterized.TestCase):
 
   def test_paper_specs_and_extra_keywords(self):
     self.assertEqual(quality.parse_compressor("dct_paper+sparsity=0.9"),
-                     ("dct", {**quality.PAPER, "density_band": None, "sparsity": 0.9}))
-    comp, _, notes = quality.build_compressor("dct_paper")  # Algorithm 1: no guard
-    self.assertEqual((type(comp).__name__, comp.density_band, comp.min_count, notes),
-                     ("DCTDP", None, 0, []))
+                     ("dct", {**quality.PAPER, "density_band": None, "value_dtype": None,
+                              "sparsity": 0.9}))
+    # Algorithm 1: no guard, float32 values
+    comp, _, notes = quality.build_compressor("dct_paper")
+    self.assertEqual((type(comp).__name__, comp.density_band, comp.min_count,
+                      comp.value_dtype, notes), ("DCTDP", None, 0, None, []))
+    comp, _, _ = quality.build_compressor("dct")  # the default: bfloat16 values
+    self.assertEqual(comp.value_dtype, "bfloat16")
     self.assertIs(comp.exact_sizes, True)  # payloads priced as across a network
     comp, compression, notes = quality.build_compressor("topk+density=0.05")
     self.assertEqual((type(comp).__name__, compression, comp.density), ("TopK", "topk", 0.05))
