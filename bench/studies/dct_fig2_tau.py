@@ -94,8 +94,10 @@ def train(args, configs):
     for name, (sparsity, life, band) in configs.items():
       models[name] = dlrm.build_model(seed=0, vocab_sizes=VOCAB,
                                       bottom_mlp=BOTTOM, top_mlp=TOP)
+      # float32 values, as in the paper (not DCTDP's default bfloat16)
       comps[name] = tf_dct.compression.DCTDP(
-          sparsity, threshold_life=life, min_size=MIN_SIZE, density_band=band)
+          sparsity, threshold_life=life, min_size=MIN_SIZE, density_band=band,
+          value_dtype=None)
       opts[name] = repl.wrap_optimizer(tf_keras.optimizers.SGD(args.lr),
                                        compression=comps[name])
   gb = args.batch_size
@@ -346,7 +348,7 @@ tau of the L = 1 copy (same eta, per layer).
   {args.replicas} replicas (logical CPUs of one process, `tf_dct.Replicator`).
 - Copies trained side by side in one step (same initial weights, same batches),
   each with `repl.wrap_optimizer(SGD, compression=DCTDP(eta, threshold_life=L,
-  min_size={MIN_SIZE}))`: {'; '.join(configs)}. Compressed layers (N >= {MIN_SIZE}):
+  min_size={MIN_SIZE}, value_dtype=None))`: {'; '.join(configs)}. Compressed layers (N >= {MIN_SIZE}):
   {', '.join(f'{k} ({v})' for k, v in sizes.items())}; the rest are all-reduced densely.
 - tau is DCTDP's per-replica `threshold` state after each step (the K-th largest
   |g + E|, K = N - floor(N eta), on refresh steps); "entries reaching tau" =

@@ -55,10 +55,11 @@ def _fc_only_class():
 def fc_only_dctdp(sparsity: float, threshold_life: int):
   """A DCT-DP compressor for DLRM's FC layers only (embeddings dense).
 
-  Algorithm 1 as written: the density guard (on by default in DCTDP) is off.
+  Algorithm 1 as written: the density guard (on by default in DCTDP) is off,
+  and values travel as float32 (not DCTDP's default bfloat16 value words).
   """
   return _fc_only_class()(sparsity=sparsity, threshold_life=threshold_life,
-                          density_band=None)
+                          density_band=None, value_dtype=None)
 
 
 def define(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> common.Result:
     t1.eta_sweep_plot(fig, runs, dense, PAPER_TABLE2, "DCT-DP sparsity eta (%)", "DCT Table 2: test loss", steps)
 
   settings = t1.dlrm_settings(cfg(), eval_batches, extra=f"""
-- DCT-DP: `tf_dct.compression.DCTDP(eta, threshold_life={life}, density_band=None)` (Algorithm 1 as written, no density guard:
+- DCT-DP: `tf_dct.compression.DCTDP(eta, threshold_life={life}, density_band=None, value_dtype=None)` (Algorithm 1 as written, no density guard, float32 values:
   threshold from the order statistic every L = {life} steps, reused in between,
   error feedback per replica and variable) on the kernels and
   biases of the 8 FC layers; the embedding table goes through the dense

@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> common.Result:
   stages alternately on the two devices and each `DCTSplit(eta,
   target_logical_device=...)` at bottom_1 and top_1 ships k values + k indices
   forward and k values backward across the device boundary (Algorithm 2).
-  Across replicas `DCTDP(eta, threshold_life={life}, density_band=None)` (Algorithm 1
-  as written) on the FC layers' kernels and
+  Across replicas `DCTDP(eta, threshold_life={life}, density_band=None, value_dtype=None)`
+  (Algorithm 1 as written, float32 values) on the FC layers' kernels and
   biases, error feedback per replica; the embedding table is all-reduced densely.
   The same eta for DP and MP, as in the paper.
 - Dense baseline: the same {replicas} x 2 devices, no splits, dense all-reduce.

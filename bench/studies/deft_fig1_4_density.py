@@ -79,7 +79,9 @@ def make_compressor(name: str, density: float = DENSITY):
   if name == "CLTK":
     return compression.CLTK(density, min_size=MIN_SIZE)
   if name.startswith("DCTDP"):
-    return compression.DCTDP(1 - density, threshold_life=1, min_size=MIN_SIZE)
+    # float32 values, as TopK's
+    return compression.DCTDP(1 - density, threshold_life=1, min_size=MIN_SIZE,
+                             value_dtype=None)
   raise ValueError(name)
 
 

@@ -108,7 +108,7 @@ tf_dct/compression/topk.py), so its error and density track TopK's.
 - Model, data and compressors as in `deft_fig1_4_density` (MLP {fig14.IN} ->
   {' -> '.join(map(str, fig14.WIDTHS))} -> 1 on synthetic teacher data, kernels with
   >= {fig14.MIN_SIZE} entries compressed, set density d = {d}; `DCTDP(1 - d,
-  threshold_life=1)` added), n = {n} replicas on logical CPUs (the paper: 16
+  threshold_life=1, value_dtype=None)` added), n = {n} replicas on logical CPUs (the paper: 16
   GPUs), local batch {fig14.LOCAL_BATCH}, SGD({fig14.LR}), {steps} steps. All copies train side by
   side on the same batches. The copy for the paper's Fig 6, {scaled}, uses
   TopK's achieved density as estimated beforehand by `sim_density` (10 steps at
