@@ -101,9 +101,10 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
                    adam_first_moment=first_moment)
     make = {
         "topk": lambda: TopK(0.2, min_count=0, **options),
+        # value_dtype=None: values travel as float32, as the reference's.
         "dct_native": lambda: DCTDP(
             0.8, threshold_life=1, capacity_factor=1.0, density_band=None,
-            min_count=0, **options),
+            min_count=0, value_dtype=None, **options),
     }[kind]
     grads = harness.continuous_gradients(6, replicas, seed=replicas)
     _, _, _, history = harness.run(_with_adam(make()), grads, replicas)

@@ -94,14 +94,16 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
     kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5,
                   **{"min_count": 0, **extra})
     grads = harness.gradients(12, replicas, seed=replicas)
-    # density_band=None: Algorithm 1 as written, which the reference implements.
+    # density_band=None: Algorithm 1 as written, which the reference implements;
+    # value_dtype=None: values travel in the variable's dtype, as in the
+    # reference (bfloat16 words: test_bfloat16_values_match_reference).
     # On CPU the native kernel selects every variable (native=None); with
     # stock ops the variables are small, so they are selected as one group
     # unless fuse_size sends each through the selection on its own.
     with _fuse_size(fuse_size):
       _, _, history = self._compare(
-          DCTDP(density_band=None, native=native, **kwargs), grads, replicas,
-          kwargs)
+          DCTDP(density_band=None, native=native, value_dtype=None, **kwargs),
+          grads, replicas, kwargs)
     # The run exercised what it is meant to: sparse steps and, thanks to the
     # tied variable, threshold ties beyond capacity.
     sent = np.array([h[1][0]["sent"] for h in history])
