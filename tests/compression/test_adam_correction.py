@@ -9,6 +9,7 @@ import keras
 import tf_keras
 
 from tf_dct import compression
+from tf_dct.compression import dct_dp
 from tests import util
 from tests.compression import correction
 from tests.compression import harness
@@ -27,13 +28,14 @@ BETAS = (0.9, 0.999, 1e-7)
 
 
 def adam_topk_reference(grads, k, mode, select, betas=BETAS,
-                        first_moment="aggregate"):
+                        first_moment="aggregate", decay=1.0):
   """Adam correction around top-k error feedback; grads[t][r] of one
   variable (no ties). select "normalized": each replica's gradient is scaled
   by Adam's step scale before error feedback; "raw": error feedback on the
   gradient, Adam's scale after the exchange. first_moment "aggregate": m
   averages what was sent; "replica": each replica's own m, bias-corrected,
-  is what error feedback works on.
+  is what error feedback works on. decay: the factor the residuals are
+  multiplied by after each step (`DCTDP(residual_decay)`).
 
   Returns per step (direction, residuals, m per replica, v).
   """
@@ -60,7 +62,7 @@ def adam_topk_reference(grads, k, mode, select, betas=BETAS,
       mask = np.zeros(n, bool)
       mask[np.argsort(-np.abs(acc), kind="stable")[:k]] = True
       update += np.where(mask, acc, 0)
-      e[r] = np.where(mask, 0, acc)
+      e[r] = np.where(mask, 0, acc) * decay
     if first_moment == "replica":
       d = update
     else:
@@ -107,11 +109,17 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
             min_count=0, value_dtype=None, **options),
     }[kind]
     grads = harness.continuous_gradients(6, replicas, seed=replicas)
-    _, _, _, history = harness.run(_with_adam(make()), grads, replicas)
+    compressor = _with_adam(make())
+    _, _, variables, history = harness.run(compressor, grads, replicas)
+    # DCT-DP's residuals decay by default under Adam correction; TopK's not.
+    decay = dct_dp.ADAM_RESIDUAL_DECAY if kind == "dct_native" else 1.0
     for v, shape in enumerate(SHAPES):
+      if kind == "dct_native":
+        self.assertEqual(compressor.decay_of(variables[v]), decay)
       k = {30: 6, 17: 4}[int(np.prod(shape))]
       ref = adam_topk_reference([[g[v] for g in step] for step in grads], k,
-                                mode, select, first_moment=first_moment)
+                                mode, select, first_moment=first_moment,
+                                decay=decay)
       for t, ((d, residuals, m, second), (out, states)) in enumerate(
           zip(ref, history)):
         where = f"var {v} step {t}"
@@ -128,7 +136,8 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("dct_dp", lambda: DCTDP(
-          0.9, threshold_life=3, adam=True, adam_first_moment="aggregate")),
+          0.9, threshold_life=3, adam=True, adam_first_moment="aggregate",
+          residual_decay=1.0)),
       ("deft", lambda: DEFT(0.1, adam=True,
                                         adam_first_moment="aggregate")),
   )
@@ -169,7 +178,8 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
     beta_1 = BETAS[0]
     grads = harness.continuous_gradients(steps, replicas, seed=6)
     compressor = _with_adam(DCTDP(
-        0.9, threshold_life=3, adam=True, adam_first_moment="replica"))
+        0.9, threshold_life=3, adam=True, adam_first_moment="replica",
+        residual_decay=1.0))
     _, _, _, history = harness.run(compressor, grads, replicas)
     for v, shape in enumerate(SHAPES):
       fed, sent = np.zeros(shape), np.zeros(shape)
