@@ -8,6 +8,7 @@ import tensorflow as tf
 import keras
 import tf_keras
 
+import tf_dct
 from tf_dct import compression
 from tf_dct.compression import dct_dp
 from tests import util
@@ -195,6 +196,46 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
       # the replicas' first moments differ (each sees its own gradients)
       self.assertNotAllClose(history[-1][1][v]["adam_m"][0],
                              history[-1][1][v]["adam_m"][1])
+
+
+class ResidualDecayTest(tf.test.TestCase):
+
+  def test_decays_only_the_residuals_of_adam_first_moments(self):
+    # Under Adam correction a dense gradient's residual holds first moments
+    # and decays by default; a compressed table's rows (IndexedSlices, Adam
+    # on the aggregate) hold gradients and keep Algorithm 1's residual. An
+    # explicit residual_decay applies to both.
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 6, size=(2, 2, 4)).astype(np.int32)
+    vals = rng.normal(size=(2, 2, 4, 3)).astype(np.float32)
+    dense = rng.normal(size=(2, 2, 40)).astype(np.float32)
+    repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"],
+                             input_replication=tf_dct.PER_REPLICA)
+    default, explicit = (_with_adam(DCTDP(
+        0.9, threshold_life=1, adam=True, sparse_gradients="compress",
+        residual_decay=r)) for r in (None, 0.5))
+    for c in (default, explicit):
+      c.bind(repl)
+    with repl.scope():
+      table = tf.Variable(tf.zeros([6, 3]), name="table")
+      w = tf.Variable(tf.zeros([40]), name="w")
+
+    def input_fn(replica_id):
+      return util.without_autotune(tf.data.Dataset.from_tensor_slices(
+          (ids[:, replica_id], vals[:, replica_id], dense[:, replica_id])))
+
+    def step_fn(batch):
+      i, v, d = batch
+      pairs = [(tf.IndexedSlices(v, i, tf.constant([6, 3])), table), (d, w)]
+      return ([tf.convert_to_tensor(g) for g, _ in default.aggregate(pairs)]
+              + [tf.convert_to_tensor(g) for g, _ in explicit.aggregate(pairs)])
+
+    for _ in range(2):
+      repl.run(step_fn, input_fn)
+    self.assertEqual(default.decay_of(w), dct_dp.ADAM_RESIDUAL_DECAY)
+    self.assertEqual(default.decay_of(table), 1.0)
+    self.assertEqual((explicit.decay_of(w), explicit.decay_of(table)),
+                     (0.5, 0.5))
 
 
 class AccountingTest(tf.test.TestCase):
