@@ -74,8 +74,10 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
     options = dict(adagrad=True, adagrad_accumulator=mode)
     make = {
         "topk": lambda: TopK(0.2, min_count=0, **options),
+        # value_dtype=None: values travel as float32, as the reference's.
         "dct": lambda: DCTDP(0.8, threshold_life=1, capacity_factor=1.0,
-                             density_band=None, min_count=0, **options),
+                             density_band=None, min_count=0, value_dtype=None,
+                             **options),
     }[kind]
     grads = harness.continuous_gradients(6, replicas, seed=replicas)
     _, _, variables, history = harness.run(_with_adagrad(make()), grads,
