@@ -53,16 +53,17 @@ class ReferenceStep:
 def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
                      capacity_factor, min_size=0, warmup_steps=0, min_count=0,
                      sparsity_schedule=(), threshold_gain=0.0,
-                     threshold_max_factor=2.0):
+                     threshold_max_factor=2.0, residual_decay=1.0):
   """Runs DCT-DP on a fixed gradient sequence of one variable.
 
   Args:
     grads_per_step_per_replica: grads[t][r] is replica r's gradient at step t
       (all the same shape and float dtype).
     sparsity, threshold_life, capacity_factor, min_size, warmup_steps,
-      min_count, sparsity_schedule, threshold_gain, threshold_max_factor: as
-      in `DCTDP` (min_count 0: Algorithm 1 as written; the schedule as a
-      phase driver runs it; threshold_gain 0: no correction).
+      min_count, sparsity_schedule, threshold_gain, threshold_max_factor,
+      residual_decay: as in `DCTDP` (min_count 0: Algorithm 1 as written;
+      the schedule as a phase driver runs it; threshold_gain 0: no
+      correction; residual_decay 1: none).
 
   Returns:
     A list of `ReferenceStep`, one per step.
@@ -102,6 +103,8 @@ def dct_dp_reference(grads_per_step_per_replica, sparsity, threshold_life,
         sent_mask = selected & (before < cap)                 # what fits the wire
       sent = np.where(sent_mask, acc, dtype.type(0))          # line 10
       residual[r] = acc - sent                                # line 11
+      if residual_decay != 1:                                 # what stays fades
+        residual[r] = residual[r] * dtype.type(residual_decay)
       step.update += sent                                     # line 12
       step.masks.append(sent_mask.reshape(shape))
       step.selected.append(selected.reshape(shape))

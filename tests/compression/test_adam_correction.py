@@ -8,7 +8,9 @@ import tensorflow as tf
 import keras
 import tf_keras
 
+import tf_dct
 from tf_dct import compression
+from tf_dct.compression import dct_dp
 from tests import util
 from tests.compression import correction
 from tests.compression import harness
@@ -27,13 +29,14 @@ BETAS = (0.9, 0.999, 1e-7)
 
 
 def adam_topk_reference(grads, k, mode, select, betas=BETAS,
-                        first_moment="aggregate"):
+                        first_moment="aggregate", decay=1.0):
   """Adam correction around top-k error feedback; grads[t][r] of one
   variable (no ties). select "normalized": each replica's gradient is scaled
   by Adam's step scale before error feedback; "raw": error feedback on the
   gradient, Adam's scale after the exchange. first_moment "aggregate": m
   averages what was sent; "replica": each replica's own m, bias-corrected,
-  is what error feedback works on.
+  is what error feedback works on. decay: the factor the residuals are
+  multiplied by after each step (`DCTDP(residual_decay)`).
 
   Returns per step (direction, residuals, m per replica, v).
   """
@@ -60,7 +63,7 @@ def adam_topk_reference(grads, k, mode, select, betas=BETAS,
       mask = np.zeros(n, bool)
       mask[np.argsort(-np.abs(acc), kind="stable")[:k]] = True
       update += np.where(mask, acc, 0)
-      e[r] = np.where(mask, 0, acc)
+      e[r] = np.where(mask, 0, acc) * decay
     if first_moment == "replica":
       d = update
     else:
@@ -107,11 +110,17 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
             min_count=0, value_dtype=None, **options),
     }[kind]
     grads = harness.continuous_gradients(6, replicas, seed=replicas)
-    _, _, _, history = harness.run(_with_adam(make()), grads, replicas)
+    compressor = _with_adam(make())
+    _, _, variables, history = harness.run(compressor, grads, replicas)
+    # DCT-DP's residuals decay by default under Adam correction; TopK's not.
+    decay = dct_dp.ADAM_RESIDUAL_DECAY if kind == "dct_native" else 1.0
     for v, shape in enumerate(SHAPES):
+      if kind == "dct_native":
+        self.assertEqual(compressor.decay_of(variables[v]), decay)
       k = {30: 6, 17: 4}[int(np.prod(shape))]
       ref = adam_topk_reference([[g[v] for g in step] for step in grads], k,
-                                mode, select, first_moment=first_moment)
+                                mode, select, first_moment=first_moment,
+                                decay=decay)
       for t, ((d, residuals, m, second), (out, states)) in enumerate(
           zip(ref, history)):
         where = f"var {v} step {t}"
@@ -128,7 +137,8 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("dct_dp", lambda: DCTDP(
-          0.9, threshold_life=3, adam=True, adam_first_moment="aggregate")),
+          0.9, threshold_life=3, adam=True, adam_first_moment="aggregate",
+          residual_decay=1.0)),
       ("deft", lambda: DEFT(0.1, adam=True,
                                         adam_first_moment="aggregate")),
   )
@@ -169,7 +179,8 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
     beta_1 = BETAS[0]
     grads = harness.continuous_gradients(steps, replicas, seed=6)
     compressor = _with_adam(DCTDP(
-        0.9, threshold_life=3, adam=True, adam_first_moment="replica"))
+        0.9, threshold_life=3, adam=True, adam_first_moment="replica",
+        residual_decay=1.0))
     _, _, _, history = harness.run(compressor, grads, replicas)
     for v, shape in enumerate(SHAPES):
       fed, sent = np.zeros(shape), np.zeros(shape)
@@ -185,6 +196,46 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
       # the replicas' first moments differ (each sees its own gradients)
       self.assertNotAllClose(history[-1][1][v]["adam_m"][0],
                              history[-1][1][v]["adam_m"][1])
+
+
+class ResidualDecayTest(tf.test.TestCase):
+
+  def test_decays_only_the_residuals_of_adam_first_moments(self):
+    # Under Adam correction a dense gradient's residual holds first moments
+    # and decays by default; a compressed table's rows (IndexedSlices, Adam
+    # on the aggregate) hold gradients and keep Algorithm 1's residual. An
+    # explicit residual_decay applies to both.
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 6, size=(2, 2, 4)).astype(np.int32)
+    vals = rng.normal(size=(2, 2, 4, 3)).astype(np.float32)
+    dense = rng.normal(size=(2, 2, 40)).astype(np.float32)
+    repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"],
+                             input_replication=tf_dct.PER_REPLICA)
+    default, explicit = (_with_adam(DCTDP(
+        0.9, threshold_life=1, adam=True, sparse_gradients="compress",
+        residual_decay=r)) for r in (None, 0.5))
+    for c in (default, explicit):
+      c.bind(repl)
+    with repl.scope():
+      table = tf.Variable(tf.zeros([6, 3]), name="table")
+      w = tf.Variable(tf.zeros([40]), name="w")
+
+    def input_fn(replica_id):
+      return util.without_autotune(tf.data.Dataset.from_tensor_slices(
+          (ids[:, replica_id], vals[:, replica_id], dense[:, replica_id])))
+
+    def step_fn(batch):
+      i, v, d = batch
+      pairs = [(tf.IndexedSlices(v, i, tf.constant([6, 3])), table), (d, w)]
+      return ([tf.convert_to_tensor(g) for g, _ in default.aggregate(pairs)]
+              + [tf.convert_to_tensor(g) for g, _ in explicit.aggregate(pairs)])
+
+    for _ in range(2):
+      repl.run(step_fn, input_fn)
+    self.assertEqual(default.decay_of(w), dct_dp.ADAM_RESIDUAL_DECAY)
+    self.assertEqual(default.decay_of(table), 1.0)
+    self.assertEqual((explicit.decay_of(w), explicit.decay_of(table)),
+                     (0.5, 0.5))
 
 
 class AccountingTest(tf.test.TestCase):

@@ -87,6 +87,10 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
        {"threshold_gain": 0.5, "threshold_max_factor": 1.5}, None, False),
       ("2_replicas_gain_stock_one_by_one", 2, {"threshold_gain": 1.0}, 0,
        False),
+      # What stays in the residual fades, native and stock.
+      ("2_replicas_decay", 2, {"residual_decay": 0.75}),
+      ("2_replicas_decay_stock_grouped", 2, {"residual_decay": 0.75}, None,
+       False),
   )
   def test_matches_reference(self, replicas, extra, fuse_size=None,
                              native=None):
@@ -95,7 +99,9 @@ class DCTDPReferenceTest(tf.test.TestCase, parameterized.TestCase):
     kwargs = dict(sparsity=0.8, threshold_life=5, capacity_factor=1.5,
                   **{"min_count": 0, **extra})
     grads = harness.gradients(12, replicas, seed=replicas)
-    # density_band=None: Algorithm 1 as written, which the reference implements.
+    # density_band=None: Algorithm 1 as written, which the reference implements;
+    # value_dtype=None: values travel in the variable's dtype, as in the
+    # reference (bfloat16 words: test_bfloat16_values_match_reference).
     # On CPU the native kernel selects every variable (native=None); with
     # stock ops the variables are small, so they are selected as one group
     # unless fuse_size sends each through the selection on its own.
@@ -241,6 +247,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
        "threshold_gain must be a number in \\[0, 1\\]"),
       ("gain_above_one", {"threshold_gain": 1.5}, "threshold_gain"),
       ("gain_nan", {"threshold_gain": float("nan")}, "threshold_gain"),
+      ("decay_zero", {"residual_decay": 0},
+       "residual_decay must be a number in \\(0, 1\\]"),
+      ("decay_above_one", {"residual_decay": 1.5}, "residual_decay"),
       ("max_factor_one", {"threshold_max_factor": 1.0},
        "threshold_max_factor must be a number > 1"),
       ("max_factor_inf", {"threshold_max_factor": float("inf")},
