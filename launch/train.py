@@ -254,6 +254,11 @@ flags.DEFINE_boolean("adam_correction", True,
                      "compressed variables are updated as plain SGD. Default: on for dct and "
                      "topk, off for deft (not better with it in our runs); false: the "
                      "optimizer's Adam acts on the compressed aggregate.")
+flags.DEFINE_float("adam_residual_decay", None,
+                   "With --compression=dct under Adam correction: the factor DCT-DP's "
+                   "residuals are multiplied by after each step, in (0, 1]. 1 keeps every "
+                   "held-back entry (Algorithm 1); below 1 a held-back entry's pile of first "
+                   "moments fades instead of landing late as one jump. Default 1 (dlrm 0.9).")
 flags.DEFINE_list("compression_exclude", [],
                   "Regular expressions; variables whose names match one are all-reduced as "
                   "they are (embedding IndexedSlices all-gathered), not compressed. E.g. "
@@ -583,6 +588,12 @@ def validate(cfg: dict) -> None:
     raise FlagError("--adam_correction applies to --optimizer=adam/adamw with "
                     f"--compression={'/'.join(SPARSIFIERS)}; this run has "
                     f"--optimizer={cfg['optimizer']} --compression={comp}")
+  if "adam_residual_decay" in cfg.get("explicit", ()) and not (
+      comp == "dct" and adam_correction(cfg)):
+    raise FlagError("--adam_residual_decay applies to --compression=dct with "
+                    "--optimizer=adam/adamw and --adam_correction on; this run has "
+                    f"--optimizer={cfg['optimizer']} --compression={comp} "
+                    f"--adam_correction={str(adam_correction(cfg)).lower()}")
   if cfg.get("value_dtype", "auto") != "auto" and comp not in VALUE_WORDS:
     raise FlagError(f"--value_dtype is for --compression={'/'.join(VALUE_WORDS)}, not "
                     f"--compression={comp}")
@@ -598,6 +609,7 @@ def validate(cfg: dict) -> None:
                       f"expression: {e}") from None
   if comp == "dct":
     _in_range(cfg, "sparsity", 0, 1, True, True)
+    _in_range(cfg, "adam_residual_decay", 0, 1, True, False)
   if comp in ("deft", "topk", "cltk") or (comp == "threshold" and "density" in cfg["explicit"]):
     _in_range(cfg, "density", 0, 1, True, False)
   if comp == "threshold":
@@ -681,6 +693,8 @@ def make_compressor(cfg: dict, cls: type | None = None):
       # None: the compressor takes Adam's hyper-parameters from the optimizer.
       common["adam"] = None if adam_correction(cfg) else False
   if comp == "dct":
+    if adam_correction(cfg):
+      common["residual_decay"] = cfg["adam_residual_decay"]
     return cls(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"],
                sparsity_schedule=cfg.get("sparsity_schedule") or (), **common)
   if comp == "threshold":
@@ -1370,6 +1384,8 @@ def print_table(s: dict, cfg: dict) -> None:
     if cfg["optimizer"] in ("adam", "adamw"):
       options.append("Adam correction" if s.get("adam_correction")
                      else "no Adam correction")
+      if comp == "dct" and s.get("adam_correction") and cfg["adam_residual_decay"] != 1:
+        options.append(f"residual decay {cfg['adam_residual_decay']}")
   if options:
     comp += f" ({', '.join(options)})"
   rows = [

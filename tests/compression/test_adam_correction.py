@@ -105,18 +105,16 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
     make = {
         "topk": lambda: TopK(0.2, min_count=0, **options),
         # float32 values, as TopK's and the reference's
+        # and a residual decay, which the reference applies to DCT-DP's
         "dct_native": lambda: DCTDP(
             0.8, threshold_life=1, capacity_factor=1.0, density_band=None,
-            min_count=0, value_dtype=None, **options),
+            min_count=0, value_dtype=None, residual_decay=0.9, **options),
     }[kind]
     grads = harness.continuous_gradients(6, replicas, seed=replicas)
     compressor = _with_adam(make())
     _, _, variables, history = harness.run(compressor, grads, replicas)
-    # DCT-DP's residuals decay by default under Adam correction; TopK's not.
-    decay = dct_dp.ADAM_RESIDUAL_DECAY if kind == "dct_native" else 1.0
+    decay = 0.9 if kind == "dct_native" else 1.0
     for v, shape in enumerate(SHAPES):
-      if kind == "dct_native":
-        self.assertEqual(compressor.decay_of(variables[v]), decay)
       k = {30: 6, 17: 4}[int(np.prod(shape))]
       ref = adam_topk_reference([[g[v] for g in step] for step in grads], k,
                                 mode, select, first_moment=first_moment,
@@ -200,42 +198,45 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
 class ResidualDecayTest(tf.test.TestCase):
 
-  def test_decays_only_the_residuals_of_adam_first_moments(self):
-    # Under Adam correction a dense gradient's residual holds first moments
-    # and decays by default; a compressed table's rows (IndexedSlices, Adam
-    # on the aggregate) hold gradients and keep Algorithm 1's residual. An
-    # explicit residual_decay applies to both.
+  def test_decay_scales_the_residuals_of_rows_and_dense_gradients(self):
+    # Algorithm 1 keeps every held-back entry (the default, 1); a decay r
+    # multiplies each residual by r after the step, whether it holds Adam
+    # correction's first moments (a dense gradient) or gradient rows (a
+    # compressed table, Adam on the aggregate). After one step the same
+    # entries were sent, so the residuals differ by r exactly.
     rng = np.random.default_rng(3)
-    ids = rng.integers(0, 6, size=(2, 2, 4)).astype(np.int32)
-    vals = rng.normal(size=(2, 2, 4, 3)).astype(np.float32)
-    dense = rng.normal(size=(2, 2, 40)).astype(np.float32)
+    ids = rng.integers(0, 6, size=(2, 4)).astype(np.int32)
+    vals = rng.normal(size=(2, 4, 3)).astype(np.float32)
+    dense = rng.normal(size=(2, 40)).astype(np.float32)
     repl = tf_dct.Replicator(["/cpu:0", "/cpu:1"],
                              input_replication=tf_dct.PER_REPLICA)
-    default, explicit = (_with_adam(DCTDP(
+    kept, decayed = (_with_adam(DCTDP(
         0.9, threshold_life=1, adam=True, sparse_gradients="compress",
-        residual_decay=r)) for r in (None, 0.5))
-    for c in (default, explicit):
+        dense_gradients="compress", min_count=0, value_dtype=None, **kw))
+                      for kw in ({}, {"residual_decay": 0.5}))
+    self.assertEqual(kept.residual_decay, 1.0)
+    for c in (kept, decayed):
       c.bind(repl)
     with repl.scope():
       table = tf.Variable(tf.zeros([6, 3]), name="table")
       w = tf.Variable(tf.zeros([40]), name="w")
 
     def input_fn(replica_id):
-      return util.without_autotune(tf.data.Dataset.from_tensor_slices(
-          (ids[:, replica_id], vals[:, replica_id], dense[:, replica_id])))
+      return util.without_autotune(tf.data.Dataset.from_tensors(
+          (ids[replica_id], vals[replica_id], dense[replica_id])))
 
     def step_fn(batch):
       i, v, d = batch
       pairs = [(tf.IndexedSlices(v, i, tf.constant([6, 3])), table), (d, w)]
-      return ([tf.convert_to_tensor(g) for g, _ in default.aggregate(pairs)]
-              + [tf.convert_to_tensor(g) for g, _ in explicit.aggregate(pairs)])
+      return ([tf.convert_to_tensor(g) for g, _ in kept.aggregate(pairs)]
+              + [tf.convert_to_tensor(g) for g, _ in decayed.aggregate(pairs)])
 
-    for _ in range(2):
-      repl.run(step_fn, input_fn)
-    self.assertEqual(default.decay_of(w), dct_dp.ADAM_RESIDUAL_DECAY)
-    self.assertEqual(default.decay_of(table), 1.0)
-    self.assertEqual((explicit.decay_of(w), explicit.decay_of(table)),
-                     (0.5, 0.5))
+    repl.run(step_fn, input_fn)
+    for var in (table, w):
+      full = np.asarray(kept.state_values(var)["residual"])
+      self.assertGreater(np.count_nonzero(full), 0)
+      self.assertAllEqual(np.asarray(decayed.state_values(var)["residual"]),
+                          full * np.float32(0.5))
 
 
 class AccountingTest(tf.test.TestCase):

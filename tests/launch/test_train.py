@@ -465,6 +465,28 @@ class CompressionExcludeTest(tf.test.TestCase):
                                   f"not --compression={comp}$"):
         _cfg(model="dlrm", compression=comp, value_dtype="float32")
 
+  def test_adam_residual_decay_reaches_dct_under_adam_correction(self):
+    # dlrm's default decays DCT-DP's residuals by 0.9 under Adam correction;
+    # the other models keep Algorithm 1's residual (1).
+    self.assertEqual(train.make_compressor(_cfg(model="dlrm")).residual_decay, 0.9)
+    self.assertEqual(train.make_compressor(_cfg(model="mlp", optimizer="adam")).residual_decay, 1.0)
+    self.assertEqual(train.make_compressor(_cfg(
+        model="mlp", optimizer="adam", adam_residual_decay=0.8)).residual_decay, 0.8)
+    # Not under Adam correction: the model's default is not applied.
+    for extra in ({"optimizer": "momentum"}, {"adam_correction": False}):
+      self.assertEqual(train.make_compressor(_cfg(model="dlrm", **extra)).residual_decay,
+                       1.0, extra)
+    for extra in ({"optimizer": "momentum"}, {"adam_correction": False},
+                  {"compression": "topk"}):
+      with self.assertRaisesRegex(train.FlagError,
+                                  r"^--adam_residual_decay applies to --compression=dct "
+                                  r"with --optimizer=adam/adamw and --adam_correction on"):
+        _cfg(model="dlrm", adam_residual_decay=0.5, **extra)
+    for bad in (0.0, 1.5, float("nan")):
+      with self.assertRaisesRegex(train.FlagError,
+                                  r"^--adam_residual_decay must be in \(0, 1\], got"):
+        _cfg(model="dlrm", adam_residual_decay=bad)
+
 
 class FlagErrorsTest(tf.test.TestCase):
 

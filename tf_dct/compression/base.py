@@ -252,9 +252,6 @@ class Compressor(tf.Module):
     self.adam_select = "normalized"
     self.adam_first_moment = "replica"
     self._adam_hparams = None
-    # Variables whose error feedback works on Adam correction's values (their
-    # dense gradients pass through `_adam_before`), by `ref()`.
-    self._adam_fed = set()
     # Adagrad correction (`adagrad_correction`): False off; None until a
     # Keras adapter takes (initial_accumulator_value, epsilon) from an
     # Adagrad optimizer.
@@ -362,12 +359,6 @@ class Compressor(tf.Module):
   def corrects_adam(self) -> bool:
     """Whether Adam correction is on (a Keras adapter called `set_adam`)."""
     return self._adam_hparams is not None
-
-  def feeds_adam_moments(self, variable) -> bool:
-    """Whether `variable`'s error feedback works on Adam correction's values
-    (its dense gradient went through the side channel; known once a step
-    with it was traced). Embedding rows (`IndexedSlices`) do not."""
-    return self._tf_variable(variable).ref() in self._adam_fed
 
   def set_momentum(self, momentum: float) -> None:
     """Sets the momentum of the correction before any state exists (the
@@ -1085,7 +1076,6 @@ class Compressor(tf.Module):
     out, pending = list(grads), {}
     for i, second in zip(picked, seconds):
       var, st = variables[i], states[i]
-      self._adam_fed.add(var.ref())
       v, t = adam_correction.second_moment_step(
           st["adam_v"].local().read_value(), st["adam_t"].local().read_value(),
           second, beta_2)

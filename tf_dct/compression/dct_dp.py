@@ -44,11 +44,6 @@ _check = functools.partial(validation.check_number, "DCTDP")
 # The per-variable scalars of the state, in the order of `scalars`.
 SCALARS = ("threshold", "step", "sent", "overflow")
 
-# The default `residual_decay` where error feedback works on Adam correction's
-# first moments: a held-back entry keeps at most about 1 / (1 - 0.9) = 10
-# steps of them (docs/compression.md, "Residual decay").
-ADAM_RESIDUAL_DECAY = 0.9
-
 
 def num_below(n: int, sparsity: float, min_count: int = 0) -> int:
   """m = floor(n * sparsity), computed on the decimal value of `sparsity`,
@@ -286,13 +281,12 @@ class DCTDP(Compressor):
       values travel in the variable's dtype. "auto": "bfloat16", or None
       with `momentum_masking` (which reads "sent" off a zero residual).
     residual_decay: the factor each residual is multiplied by after a step
-      (beyond the paper), a number in (0, 1]; 1 keeps every held-back entry
-      until it is sent (Algorithm 1). None (default): `ADAM_RESIDUAL_DECAY`
-      (0.9) for the variables whose error feedback works on Adam
-      correction's first moments (`adam`, dense gradients), 1 for the
-      others. Under Adam a held-back entry's first moments pile up for as
-      long as it is held back, with no feedback from the model, and sending
-      the pile late overshoots; the decay bounds it (docs/compression.md).
+      (beyond the paper), a number in (0, 1]; 1 (default) keeps every
+      held-back entry until it is sent (Algorithm 1). Under Adam correction
+      a held-back entry's first moments pile up with no feedback from the
+      model and land late as one jump; a decay below 1 bounds the pile
+      (about 1 / (1 - r) steps of it) and drops the rest. It helps some
+      models and hurts others (docs/compression.md, "Residual decay").
     exclude: regular expressions searched in variable names; matching
       variables are all-reduced as they are (`tf.IndexedSlices` stay sparse
       and are all-gathered) and keep no state, e.g. `("embedding",)` to
@@ -401,7 +395,7 @@ class DCTDP(Compressor):
                threshold_gain: float = 0.0,
                threshold_max_factor: float = 2.0,
                value_dtype: str | None = "auto",
-               residual_decay: float | None = None):
+               residual_decay: float = 1.0):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
@@ -420,8 +414,8 @@ class DCTDP(Compressor):
     self.threshold_max_factor = float(_check(
         "threshold_max_factor", threshold_max_factor, numbers.Real, 1, True))
     self.sparsity_schedule = _check_schedule(sparsity_schedule)
-    self.residual_decay = (None if residual_decay is None else float(_check(
-        "residual_decay", residual_decay, numbers.Real, 0, True, 1, False)))
+    self.residual_decay = float(_check(
+        "residual_decay", residual_decay, numbers.Real, 0, True, 1, False))
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     self.fuse_size = (None if fuse_size is None else int(
@@ -470,14 +464,6 @@ class DCTDP(Compressor):
     if self.phase is None:
       return None
     return self.phase_starts()[self.phase] - self.warmup_steps
-
-  def decay_of(self, variable) -> float:
-    """The factor `variable`'s residual is multiplied by after each step:
-    `residual_decay`, or by default `ADAM_RESIDUAL_DECAY` where error
-    feedback works on Adam correction's first moments and 1 elsewhere."""
-    if self.residual_decay is not None:
-      return self.residual_decay
-    return ADAM_RESIDUAL_DECAY if self.feeds_adam_moments(variable) else 1.0
 
   def _is_dense(self, variable) -> bool:
     n = variable.shape.num_elements()
@@ -719,9 +705,8 @@ class DCTDP(Compressor):
           [tf.cast(columns[name], tf.float64) for name in SCALARS], axis=1))
       for v, (var, st) in enumerate(zip(variables, group.states)):
         residual = tf.reshape(residuals[v], var.shape)
-        decay = self.decay_of(var)
-        if decay != 1:  # what stays behind fades
-          residual = residual * tf.cast(decay, residual.dtype)
+        if self.residual_decay != 1:  # what stays behind fades
+          residual = residual * tf.cast(self.residual_decay, residual.dtype)
         st["residual"].local().assign(residual)
         st["scalars"].local().assign(scalars[v])
 
