@@ -10,7 +10,6 @@ import tf_keras
 
 import tf_dct
 from tf_dct import compression
-from tf_dct.compression import dct_dp
 from tests import util
 from tests.compression import correction
 from tests.compression import harness
