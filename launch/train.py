@@ -1400,7 +1400,10 @@ def print_table(s: dict, cfg: dict) -> None:
       ("steps", f"{s['steps']} ({s['steps'] - s['start_step']} this run)"),
       ("loss first -> final", f"{fmt(s['first_loss'])} -> {fmt(s['final_loss'])}"),
   ]
-  if s["compression"] != "none":
+  trained = s["steps"] - s["start_step"]
+  if s["compression"] != "none" and trained:
+    # Decided when the first step is traced: a run that trains no step
+    # (--mode=eval, or a resume at --steps) has nothing to report here.
     rows.insert(3, ("embedding tables sent as rows", ", ".join(s.get("sent_as_rows", ()))
                     or f"none (--sparse_gradients={cfg.get('sparse_gradients', 'auto')})"))
     whole = s.get("sent_whole", ())
@@ -1439,7 +1442,8 @@ def print_table(s: dict, cfg: dict) -> None:
                  f"{_mb(m['dense_bytes'])} ({ratio:.1f}x)"))
   first = s.get("first_step_seconds")
   rows.append(("wall time (tracing included)",
-               f"{s['wall_seconds']:.1f} s ({s['steps_per_sec']:.2f} steps/s"
+               f"{s['wall_seconds']:.1f} s (" + (f"{s['steps_per_sec']:.2f} steps/s"
+               if trained else "no training step this run")
                + (f"; first step with tracing {first:.1f} s)" if first is not None else ")")))
   if s.get("steady_steps_per_sec"):
     rows.append(("steady state (after the first step)",

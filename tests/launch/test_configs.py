@@ -223,6 +223,9 @@ class SavedConfigTest(tf.test.TestCase):
     self.assertIn(f"restored {model_dir}/ckpt-4 at step 4", out.getvalue())
     self.assertEqual(evaluated["eval"], trained["eval"])
     self.assertEqual((evaluated["steps"], evaluated["losses"]), (4, []))
+    # No step ran: the summary gives no rate for it.
+    self.assertRegex(out.getvalue(), r"wall time \(tracing included\) +\| [\d.]+ s "
+                                     r"\(no training step this run\)")
     # --mode=train checkpoints without evaluating; the config is rewritten.
     with contextlib.redirect_stdout(io.StringIO()) as out:
       more = train.train(_resolved(*args[:-3], "--steps=6", "--log_every=2",

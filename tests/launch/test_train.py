@@ -341,6 +341,16 @@ class CommunicationSummaryTest(tf.test.TestCase):
     self.assertLess(keys.index("DP ratio vs stock TF"),
                     keys.index("DP ratio vs densified"))
     self.assertIn(("stock TF bytes / replica", "0.00 MB"), rows)
+    self.assertIn(("small variables all-reduced whole", "none (--dense_gradients=auto)"), rows)
+    self.assertIn(("wall time (tracing included)", "1.0 s (2.00 steps/s)"), rows)
+    # A run that trains no step (--mode=eval, a resume at --steps) made no
+    # per-variable decision and has no rate to report.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      train.print_table(dict(summary, start_step=2, steps_per_sec=0.0), cfg)
+    self.assertNotIn("all-reduced whole", out.getvalue())
+    self.assertNotIn("sent as rows", out.getvalue())
+    self.assertIn("| 1.0 s (no training step this run) |", out.getvalue())
 
 
 class ModelsTest(tf.test.TestCase):
