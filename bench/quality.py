@@ -67,7 +67,9 @@ Usage:
 comparable (another preset, --evals or ratings data; another step count,
 launcher preset, metric or learning rate for the same model and optimizer)
 are refused, naming the file, and so is a run (model, optimizer, compressor,
-seed) found in two files: no part silently wins.
+seed) found in two files with other results: no part silently wins (the
+dense reference every part runs, repeated with the same results, is kept
+once).
 """
 
 from __future__ import annotations
@@ -575,14 +577,24 @@ def load_json(path: str) -> dict:
   return data
 
 
+def _same_run(a: dict, b: dict) -> bool:
+  """Whether two records are one run repeated: equal in everything but their
+  time (runs are deterministic, so each part's dense reference repeats the
+  other parts'). NaN finals of diverged runs compare equal."""
+  strip = lambda r: json.dumps({k: v for k, v in r.items() if k != "wall_seconds"},
+                               sort_keys=True, default=str)
+  return strip(a) == strip(b)
+
+
 def merge(parts: Sequence[tuple[str, dict]]) -> tuple[list[dict], list[str], float]:
   """(records, commands, seconds) of the (path, `load_json` dict) parts, in order.
 
   Raises FlagError naming the file when a part's runs are not comparable
   with an earlier part's: another value of a `SHARED_SETTINGS` key, or of a
   `CELL_SETTINGS` key for the same (model, optimizer); or when a run (model,
-  optimizer, compressor, seed) is in two files (none of them wins: drop it
-  from one part).
+  optimizer, compressor, seed) is twice in one file, or in two files with
+  other results (none of them wins: drop it from one part). A run in two
+  files with the same results (each part's dense reference) is kept once.
   """
   records, first, cells, seen = [], None, {}, {}
   for path, data in parts:
@@ -605,10 +617,14 @@ def merge(parts: Sequence[tuple[str, dict]]) -> tuple[list[dict], list[str], flo
               "their runs are not comparable")
       run = (*cell, r["compressor"], r["seed"])
       if run in seen:
-        where = f"twice in {path}" if seen[run] == path else f"in {seen[run]} and in {path}"
+        earlier_path, earlier_record = seen[run]
+        if earlier_path != path and _same_run(earlier_record, r):
+          continue  # the same run repeated by another part (every part runs dense)
+        where = (f"twice in {path}" if earlier_path == path
+                 else f"in {earlier_path} and in {path} with other results")
         raise FlagError(f"--plot_json: {' / '.join(str(x) for x in run[:3])} seed {run[3]} "
                         f"is {where}; keep it in one file only")
-      seen[run] = path
+      seen[run] = (path, r)
       records.append(r)
   commands = [data["command"] for _, data in parts]
   return records, commands, sum(data["wall_seconds"] for _, data in parts)

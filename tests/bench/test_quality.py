@@ -370,6 +370,23 @@ class JsonTest(tf.test.TestCase):
                           "--compressors=dense`, `python bench/quality.py --compressors=dct`, "
                           "merged from their --json files (3.0 min in all on the machine")
 
+  def test_a_run_repeated_with_its_results_is_kept_once(self):
+    # Every part runs dense: the same records in two files merge as one.
+    dense = self._records(compressors=("dense",))
+    dct = self._records(compressors=("dense", "dct"))
+    a = self._part("a.json", dense, wall=60.0)
+    b = self._part("b.json", dct, wall=90.0)
+    records, _, wall = quality.merge([(f, quality.load_json(f)) for f in (a, b)])
+    self.assertEqual((len(records), wall), (4, 150.0))
+    self.assertEqual(quality.summarize(records), quality.summarize(dct))
+    # A repeat whose time alone differs is the same run; one whose result
+    # differs is refused.
+    timed = self._part("timed.json", [dict(r, wall_seconds=99.0) for r in dense])
+    self.assertLen(quality.merge([(f, quality.load_json(f)) for f in (a, timed)])[0], 2)
+    other = self._part("other.json", [dict(r, final=r["final"] + 1e-9) for r in dense])
+    with self.assertRaisesRegex(quality.FlagError, "with other results"):
+      quality.merge([(f, quality.load_json(f)) for f in (a, other)])
+
   def test_incomparable_or_repeated_parts_are_refused_naming_the_file(self):
     a = self._part("a.json", self._records())
     cases = [
@@ -380,7 +397,10 @@ class JsonTest(tf.test.TestCase):
          "steps.json ran ncf / adam with steps=20, {a} with steps=10: their runs are not "
          "comparable"),
         (self._part("twice.json", self._records(compressors=("dct",))),
-         "ncf / adam / dct seed 0 is in {a} and in {twice}; keep it in one file only"),
+         "ncf / adam / dct seed 0 is in {a} and in {twice} with other results; keep it "
+         "in one file only"),
+        (self._part("again.json", self._records(compressors=("topk", "topk"))),
+         "ncf / adam / topk seed 0 is twice in {twice}; keep it in one file only"),
     ]
     for path, message in cases:
       message = message.format(a=a, twice=path)
