@@ -21,35 +21,62 @@ from tests import util
 from tests.compression import harness
 
 
-def second_moment_reference(per_replica, shape, mode):
-  """V from the replicas' gradients of one variable, as the module states."""
+SKETCH_SIZE = 32  # adam_correction.SKETCH_SIZE, restated
+
+
+def sketch_reference(g, step):
+  """The count sketch of a flat gradient: entry i in bucket i mod 32 with the
+  sign of bit 0 of a 32-bit integer hash of (i, step)."""
+  mask = 0xFFFFFFFF
+  i = np.arange(g.size, dtype=np.int64)
+  x = (i + step * 0x9E3779B9) & mask
+  x ^= x >> 16
+  x = (x * 0x7FEB352D) & mask
+  x ^= x >> 15
+  x = (x * 0x846CA68B) & mask
+  x ^= x >> 16
+  signs = 1 - 2 * (x & 1)
+  return np.bincount(i % SKETCH_SIZE, weights=g * signs, minlength=SKETCH_SIZE)
+
+
+def second_moment_reference(per_replica, shape, mode, step=0):
+  """V from the replicas' gradients of one variable, as the module states:
+  the square of their sum, or for a matrix whose rows + columns + 32 floats
+  are fewer than its entries (mode "factored") the rank-1 estimate of their
+  summed squares scaled to the sketched squared norm of their sum, kept
+  within [sum of squares, P * sum of squares]. `step`: Adam's step count
+  before the step (the sketch's signs)."""
   grads = [np.asarray(g, np.float64).reshape(shape) for g in per_replica]
-  if mode == "exact":
+  n = int(np.prod(shape))
+  if mode == "exact" or len(shape) < 2 or shape[-1] + n // shape[-1] + SKETCH_SIZE >= n:
     return np.square(sum(grads))
   p = len(grads)
-  squares = sum(np.square(g) for g in grads) * p     # P * sum_r g_r^2
-  if len(shape) < 2:
-    return squares
-  mat = squares.reshape(-1, shape[-1])
+  mat = sum(np.square(g) for g in grads).reshape(-1, shape[-1])
   rows, cols = mat.sum(axis=1), mat.sum(axis=0)
-  return (np.outer(rows, cols) / rows.sum()).reshape(shape)
+  total = rows.sum()
+  norm = np.sum(np.square(sum(sketch_reference(g.reshape(-1), step) for g in grads)))
+  norm = min(max(norm, total), p * total)
+  return (np.outer(rows, cols) * norm / total**2).reshape(shape)
 
 
 def check_side_channel_counted(test, make):
-  """The factored side channel all-reduces rows + columns floats of a matrix
-  and every entry of a vector: (6 + 5) * 4 and 17 * 4 bytes per replica and
-  step on top of what `make(False)` sends; `make(True)` is the same
-  compressor with the correction on."""
-  grads = harness.continuous_gradients(2, 2, seed=3)
-  payload = {}
-  for on in (False, True):
-    comp = make(on)
-    harness.run(comp, grads, 2)
-    stats = comp.communication_stats()["variables"]
-    payload[on] = [stats[name]["total"]["payload_bytes"] for name in ("w0", "w1")]
-  for v, side in enumerate((11 * 4, 17 * 4)):
-    test.assertAllEqual(np.asarray(payload[True][v]) - payload[False][v],
-                        [2 * side, 2 * side])  # 2 steps, per replica
+  """The factored side channel all-reduces rows + columns + 32 sketch
+  floats of a matrix and every entry of a vector: (12 + 10 + 32) * 4 and
+  17 * 4 bytes per replica and step on top of what `make(False)` sends,
+  and every entry of a matrix too small to factor (6 x 5: 30 * 4 bytes);
+  `make(True)` is the same compressor with the correction on."""
+  for shapes, sides in ((harness.FACTORED_SHAPES, (54 * 4, 17 * 4)),
+                        (harness.SHAPES, (30 * 4, 17 * 4))):
+    grads = harness.continuous_gradients(2, 2, seed=3, shapes=shapes)
+    payload = {}
+    for on in (False, True):
+      comp = make(on)
+      harness.run(comp, grads, 2, shapes=shapes)
+      stats = comp.communication_stats()["variables"]
+      payload[on] = [stats[name]["total"]["payload_bytes"] for name in ("w0", "w1")]
+    for v, side in enumerate(sides):
+      test.assertAllEqual(np.asarray(payload[True][v]) - payload[False][v],
+                          [2 * side, 2 * side])  # 2 steps, per replica
 
 
 def check_kernels_corrected_as_dense(test, corrects, model, k, ours, dense):

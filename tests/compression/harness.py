@@ -15,6 +15,9 @@ from tests import conservation
 from tests import util
 
 SHAPES = [(6, 5), (17,)]
+# A matrix large enough for Adam / Adagrad correction's factored side channel
+# (rows + columns + its 32-float sketch < entries) and a vector.
+FACTORED_SHAPES = [(12, 10), (17,)]
 
 
 def compress_all(cls):

@@ -69,8 +69,9 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
       ("dct_dp_factored", "dct", "factored", 4),
   )
   def test_matches_numpy_reference(self, kind, mode, replicas):
-    # density 0.2 of 30 / 17 entries: k = 6 / 4 (no floor), the same top-k
-    # for TopK and for DCT-DP refreshing tau every step (L = 1).
+    # density 0.2 of 120 / 17 entries: k = 24 / 4 (no floor), the same top-k
+    # for TopK and for DCT-DP refreshing tau every step (L = 1). The matrix
+    # is large enough for the factored side channel.
     options = dict(adagrad=True, adagrad_accumulator=mode)
     make = {
         "topk": lambda: TopK(0.2, min_count=0, **options),
@@ -79,11 +80,12 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
                              density_band=None, min_count=0, value_dtype=None,
                              **options),
     }[kind]
-    grads = harness.continuous_gradients(6, replicas, seed=replicas)
+    grads = harness.continuous_gradients(6, replicas, seed=replicas,
+                                         shapes=harness.FACTORED_SHAPES)
     _, _, variables, history = harness.run(_with_adagrad(make()), grads,
-                                           replicas)
-    for v, shape in enumerate(SHAPES):
-      k = {30: 6, 17: 4}[int(np.prod(shape))]
+                                           replicas, shapes=harness.FACTORED_SHAPES)
+    for v, shape in enumerate(harness.FACTORED_SHAPES):
+      k = {120: 24, 17: 4}[int(np.prod(shape))]
       ref = adagrad_topk_reference([[g[v] for g in step] for step in grads],
                                    k, mode)
       for t, ((d, residuals, acc), (out, states)) in enumerate(

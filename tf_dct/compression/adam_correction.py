@@ -7,8 +7,9 @@ coordinate moves about 1 / sqrt(T) as far as dense training would
 (`bench/adam_bursts.py`). So the compressor keeps, per replica, Adam's first
 moment of its Adam-scaled gradient, selects and feeds back error on that,
 and the optimizer applies the sum of what was sent as plain SGD. The second
-moment is fed every step by a small dense side channel (a factored, rank-1
-estimate of g^2 by default) and is equal on every replica, so the replicas
+moment is fed every step by a small dense side channel (by default a
+factored, rank-1 estimate of g^2 scaled to a sketch of the square of the
+replicas' summed gradient) and is equal on every replica, so the replicas
 stay identical. With nothing held back, `second_moment="exact"` and
 `select="raw"` this is tf-keras Adam step for step.
 
@@ -25,6 +26,11 @@ SELECTIONS = ("normalized", "raw")
 FIRST_MOMENTS = ("aggregate", "replica")
 
 
+# Floats of the count sketch that scales a matrix's factored estimate.
+SKETCH_SIZE = 32
+_MASK = 0xFFFFFFFF
+
+
 def as_matrix_shape(shape: tf.TensorShape) -> tuple[int, int] | None:
   """(rows, columns) of the factored estimate, or None for a vector."""
   if shape.rank is None or shape.rank < 2:
@@ -33,40 +39,83 @@ def as_matrix_shape(shape: tf.TensorShape) -> tuple[int, int] | None:
   return shape.num_elements() // max(cols, 1), cols
 
 
-def side_channel(grad: tf.Tensor, variable: tf.Variable, mode: str) -> tf.Tensor:
-  """The flat vector this replica all-reduces (SUM) for V."""
-  g = tf.convert_to_tensor(grad)
-  if mode == "exact":
-    return tf.reshape(g, [-1])
-  sq = tf.square(g)
+def factors(variable: tf.Variable, mode: str) -> tuple[int, int] | None:
+  """(rows, columns) when `variable`'s side channel is factored, else None:
+  under "exact", for a vector, and for a matrix whose factored channel
+  (rows + columns + the sketch) would be no smaller than the gradient, the
+  channel is the gradient itself and V the square of the replicas' sum."""
   dims = as_matrix_shape(variable.shape)
+  if (mode == "exact" or dims is None
+      or sum(dims) + SKETCH_SIZE >= variable.shape.num_elements()):
+    return None
+  return dims
+
+
+def sketch_signs(n: int, step) -> tuple[tf.Tensor, tf.Tensor]:
+  """(+-1 signs, buckets) of the count sketch of an n-entry gradient.
+
+  Entry i goes to bucket i mod SKETCH_SIZE with a sign from an integer hash
+  of (i, step): the same on every replica, new every step, so the sketch's
+  errors average out in v. Written with int64 ops masked to 32 bits so a
+  numpy reference reproduces it bit for bit.
+  """
+  shift, mask = tf.bitwise.right_shift, tf.bitwise.bitwise_and
+  i = tf.range(n, dtype=tf.int64)
+  x = mask(i + tf.cast(step, tf.int64) * 0x9E3779B9, _MASK)
+  x = tf.bitwise.bitwise_xor(x, shift(x, 16))
+  x = mask(x * 0x7FEB352D, _MASK)
+  x = tf.bitwise.bitwise_xor(x, shift(x, 15))
+  x = mask(x * 0x846CA68B, _MASK)
+  x = tf.bitwise.bitwise_xor(x, shift(x, 16))
+  return 1 - 2 * mask(x, 1), i % SKETCH_SIZE
+
+
+def side_channel(grad: tf.Tensor, variable: tf.Variable, mode: str,
+                 step=0) -> tf.Tensor:
+  """The flat vector this replica all-reduces (SUM) for V.
+
+  Factored: the row and column sums of the squared gradient and a count
+  sketch of the gradient (`SKETCH_SIZE` floats, signs from `step`); else
+  the gradient itself (`factors`).
+  """
+  g = tf.reshape(tf.convert_to_tensor(grad), [-1])
+  dims = factors(variable, mode)
   if dims is None:
-    return tf.reshape(sq, [-1])
-  sq = tf.reshape(sq, dims)
-  return tf.concat([tf.reduce_sum(sq, axis=1), tf.reduce_sum(sq, axis=0)], 0)
+    return g
+  sq = tf.reshape(tf.square(g), dims)
+  signs, buckets = sketch_signs(g.shape[0], step)
+  sketch = tf.math.unsorted_segment_sum(g * tf.cast(signs, g.dtype), buckets,
+                                        SKETCH_SIZE)
+  return tf.concat([tf.reduce_sum(sq, axis=1), tf.reduce_sum(sq, axis=0), sketch], 0)
 
 
 def side_channel_size(variable: tf.Variable, mode: str) -> int:
   """Entries of `side_channel` for `variable`."""
-  dims = as_matrix_shape(variable.shape)
-  if mode == "exact" or dims is None:
+  dims = factors(variable, mode)
+  if dims is None:
     return variable.shape.num_elements()
-  return dims[0] + dims[1]
+  return dims[0] + dims[1] + SKETCH_SIZE
 
 
 def second_moment(summed: tf.Tensor, variable: tf.Variable, mode: str,
                   num_replicas: int) -> tf.Tensor:
-  """V in the variable's shape from the all-reduced side channel."""
-  if mode == "exact":
-    return tf.reshape(tf.square(summed), variable.shape)
-  summed = summed * tf.cast(num_replicas, summed.dtype)
-  dims = as_matrix_shape(variable.shape)
+  """V in the variable's shape from the all-reduced side channel.
+
+  Factored: the rank-1 estimate of Adafactor (Shazeer & Stern 2018) from
+  the replicas' summed squares, scaled so its total is the sketch's
+  estimate of |sum of the replicas' gradients|^2, kept between the sum of
+  their squared norms (independent noise) and `num_replicas` times it (equal
+  gradients). Unscaled it is the replicas' mean square, which gradient
+  noise inflates up to `num_replicas`-fold, shortening Adam's steps.
+  """
+  dims = factors(variable, mode)
   if dims is None:
-    return tf.reshape(summed, variable.shape)
-  rows, cols = summed[:dims[0]], summed[dims[0]:]
-  total = tf.reduce_sum(rows)
-  outer = rows[:, None] * cols[None, :] / tf.maximum(
-      total, tf.constant(1e-30, summed.dtype))
+    return tf.reshape(tf.square(summed), variable.shape)
+  rows, cols, sketch = tf.split(summed, [dims[0], dims[1], SKETCH_SIZE])
+  total = tf.maximum(tf.reduce_sum(rows), tf.constant(1e-30, summed.dtype))
+  norm = tf.clip_by_value(tf.reduce_sum(tf.square(sketch)), total,
+                          total * tf.cast(num_replicas, summed.dtype))
+  outer = rows[:, None] * cols[None, :] * (norm / tf.square(total))
   return tf.reshape(outer, variable.shape)
 
 

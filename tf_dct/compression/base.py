@@ -1051,7 +1051,11 @@ class Compressor(tf.Module):
               and not isinstance(grads[i], tf.IndexedSlices)]
     if not picked:
       return [], []
-    parts = [adam_correction.side_channel(grads[i], variables[i], mode)
+    # The sketch's signs change with Adam's step count (equal on every
+    # replica); Adagrad correction keeps no count and uses fixed signs.
+    parts = [adam_correction.side_channel(
+        grads[i], variables[i], mode,
+        states[i]["adam_t"].local().read_value() if "adam_t" in states[i] else 0)
              for i in picked]
     sizes = [adam_correction.side_channel_size(variables[i], mode)
              for i in picked]
