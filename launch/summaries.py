@@ -71,6 +71,7 @@ def hparams(cfg: dict, num_replicas: int, *, sparsifier: bool,
          "data": "real" if cfg.get("data_dir") else "synthetic"}
   if cfg.get("splits"):
     out["mp_sparsity"] = cfg["mp_sparsity"]
+    out["mp_rescale"] = cfg.get("mp_rescale", "none")
   comp = cfg["compression"]
   if comp != "none":
     out.update(warmup_steps=cfg["warmup_steps"], min_size=cfg["min_size"],

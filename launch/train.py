@@ -284,6 +284,9 @@ flags.DEFINE_integer("mp_warmup_steps", None,
 flags.DEFINE_enum("mp_warmup", None, ("linear", "dense"),
                   "DCT-MP warm-up shape: linear (sparsity rising from 0 to --mp_sparsity) or "
                   "dense (unmasked). Default linear.")
+flags.DEFINE_enum("mp_rescale", None, tf_dct.dct_mp.RESCALES,
+                  "DCT-MP: l1 scales each row's kept entries to the row's L1 norm (nothing "
+                  "more crosses); none keeps them as they are. Default none.")
 flags.DEFINE_string("mp_splits", None,
                     "Comma list of the model's split points to insert a DCTSplit at, 'paper' "
                     "(dlrm: bottom_1,top_1; transformer: encoder_ffn_4) or 'none'. Default: "
@@ -628,6 +631,9 @@ def validate(cfg: dict) -> None:
     _in_range(cfg, "mp_sparsity", 0, 1, False, True)
     if cfg["mp_warmup_steps"] is None or cfg["mp_warmup_steps"] < 0:
       raise FlagError(f"--mp_warmup_steps must be >= 0, got {cfg['mp_warmup_steps']}")
+    if cfg["mp_rescale"] not in tf_dct.dct_mp.RESCALES:
+      raise FlagError(f"--mp_rescale must be one of {', '.join(tf_dct.dct_mp.RESCALES)}, got "
+                      f"{cfg['mp_rescale']!r}")
   kind = cfg["replicator"]
   if kind in ("multi_worker", "tpu"):
     for name in ("num_replicas", "num_devices_per_replica"):
@@ -980,6 +986,7 @@ class Job:
       layer = split_cls(
           cfg["mp_sparsity"], target_logical_device=target,
           warmup_steps=cfg["mp_warmup_steps"], warmup=cfg["mp_warmup"],
+          rescale=cfg["mp_rescale"],
           name=f"dct_split_{point}", **split_kwargs)
       self.split_layers.append(layer)
       return layer
@@ -1395,6 +1402,8 @@ def print_table(s: dict, cfg: dict) -> None:
       ("MP splits", (f"{','.join(s['mp_splits'])} (sparsity {cfg['mp_sparsity']}, "
                      + (f"{cfg['mp_warmup']} warm-up {cfg['mp_warmup_steps']} steps, "
                         if cfg.get("mp_warmup_steps") else "")
+                     + (f"{cfg['mp_rescale']} rescale, "
+                        if cfg.get("mp_rescale", "none") != "none" else "")
                      + ("compact transfer across devices)" if s["devices_per_replica"] > 1
                         else "mask only, same device)")) if s["mp_splits"] else "none"),
       ("steps", f"{s['steps']} ({s['steps'] - s['start_step']} this run)"),

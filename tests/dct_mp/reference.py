@@ -65,3 +65,27 @@ def distinct(shape, seed=0) -> np.ndarray:
   mags = np.stack([rng.permutation(d) + 1.0 for _ in range(rows)]) / 4
   signs = rng.choice([-1.0, 1.0], size=(rows, d))
   return (mags * signs).reshape(shape).astype(np.float32)
+
+
+def row_scale(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """The "l1" factor per row, [..., 1] in float32 (1 where the kept sum is 0).
+
+  For the exactly representable test values the float32 sums are exact, so
+  only the division rounds, as in the op.
+  """
+  a = np.abs(x.astype(np.float64))
+  full = np.float32(a.sum(-1, keepdims=True))
+  part = np.float32(np.where(mask, a, 0).sum(-1, keepdims=True))
+  return np.where(part > 0, full / np.where(part > 0, part, 1), np.float32(1))
+
+
+def rescaled_forward(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """s_i · (X_i ⊙ M_i), the product rounded once in x's dtype."""
+  s = row_scale(x, mask).astype(x.dtype)
+  return np.where(mask, x * s, np.zeros_like(x))
+
+
+def rescaled_backward(dy: np.ndarray, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """s_i · (dY_i ⊙ M_i) with the forward's s_i (a constant)."""
+  s = row_scale(x, mask).astype(dy.dtype)
+  return np.where(mask, dy * s, np.zeros_like(dy))

@@ -85,6 +85,61 @@ class DctMpTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllClose(theoretical[0], analytic)
     self.assertAllClose(numerical[0], analytic, atol=1e-3)
 
+  @parameterized.parameters(tf.float32, tf.bfloat16, tf.float16)
+  def test_rescale_matches_reference(self, dtype):
+    shape = (3, 2, 16)
+    x_np = reference.distinct(shape, seed=4)  # exact sums in float32
+    x = tf.cast(x_np, dtype)
+    np_dtype = dtype.as_numpy_dtype
+    dy_np = np.random.default_rng(2).normal(size=shape).astype(np_dtype)
+    mask = reference.topk_mask(x_np, 0.75)
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = ops.dct_mp(x, 0.75, rescale="l1")
+    self.assertEqual(y.dtype, dtype)
+    self.assertAllEqual(y, reference.rescaled_forward(x.numpy(), mask))
+    self.assertAllEqual(tape.gradient(y, x, output_gradients=tf.constant(dy_np)),
+                        reference.rescaled_backward(dy_np, x.numpy(), mask))
+    # Each row keeps its L1 norm (to rounding).
+    self.assertAllClose(np.abs(y.numpy().astype(np.float64)).sum(-1),
+                        np.abs(x_np.astype(np.float64)).sum(-1),
+                        rtol=1e-2 if dtype != tf.float32 else 1e-6)
+
+  def test_rescale_ties_and_zero_rows(self):
+    x = np.array([[1, 3, 3, 3, 0, 3, 0, 0, 2, 1],     # 4 tied at the k-th value
+                  [0] * 10,                            # nothing kept: s = 1
+                  [0] * 9 + [5]], np.float32)          # all the mass kept: s = 1
+    dy = np.arange(30, dtype=np.float32).reshape(3, 10) + 1
+    x_t = tf.constant(x)
+    with tf.GradientTape() as tape:
+      tape.watch(x_t)
+      y = ops.dct_mp(x_t, 0.7, rescale="l1")  # k = 3
+    g = tape.gradient(y, x_t, output_gradients=tf.constant(dy))
+    s = np.float32(16) / np.float32(9)  # row 0: L1 16, the three kept 3s 9
+    want_y = np.zeros_like(x)
+    want_y[0, [1, 2, 3]] = np.float32(3) * s
+    want_y[2, 9] = 5
+    want_g = np.zeros_like(dy)
+    want_g[0, [1, 2, 3]] = dy[0, [1, 2, 3]] * s
+    want_g[1, [0, 1, 2]] = dy[1, [0, 1, 2]]  # the zero row: mask, no scale
+    want_g[2, [0, 1, 9]] = dy[2, [0, 1, 9]]
+    self.assertAllEqual(y, want_y)
+    self.assertAllEqual(g, want_g)
+    self.assertAllEqual(ops.row_scale(x_t, tf.gather(x_t, [[1, 2, 3]] * 3, batch_dims=1),
+                                      "l1"), [[s], [1], [1]])
+    # The warm-up's variable-k form scales the same way.
+    self.assertAllEqual(ops.dct_mp_kept(x, tf.constant(3), rescale="l1"), want_y)
+
+  @parameterized.parameters("l2", "L1", None, 1)
+  def test_bad_rescale(self, rescale):
+    msg = r"rescale must be one of \('none', 'l1'\), got " + repr(rescale)
+    with self.assertRaisesRegex(ValueError, "dct_mp: " + msg):
+      ops.dct_mp(tf.ones([2, 4]), 0.5, rescale=rescale)
+    with self.assertRaisesRegex(ValueError, "dct_mp_kept: " + msg):
+      ops.dct_mp_kept(tf.ones([2, 4]), tf.constant(2), rescale=rescale)
+    with self.assertRaisesRegex(ValueError, "dct_mp_transfer: " + msg):
+      ops.dct_mp_transfer(tf.ones([2, 4]), 0.5, "/cpu:0", rescale=rescale)
+
   def test_sizes_use_the_decimal_value_of_sparsity(self):
     self.assertEqual(ops.num_dropped(100, 0.29), 29)  # not 28 (0.29 * 100 in binary)
     self.assertEqual(ops.num_kept(64, 0.9), 7)

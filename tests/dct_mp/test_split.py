@@ -32,6 +32,8 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
     layer = cls(0.75, mode="gaussian_sketch", apply_at_inference=True,
                 target_logical_device=1, sketch_seed=7, name="split")
     self.assertEqual(cls(0.9, warmup_steps=7, warmup="dense").get_config()["warmup_steps"], 7)
+    self.assertEqual(cls.from_config(cls(0.9, rescale="l1").get_config()).get_config()["rescale"],
+                     "l1")
     config = layer.get_config()
     again = cls.from_config(config)
     self.assertEqual(again.get_config(), config)
@@ -51,6 +53,7 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllEqual(cls(0.75)(x, training=True), masked)
     self.assertAllEqual(cls(0.75)(x, training=False), masked)  # default: "dct" applies
     self.assertAllEqual(cls(0.75, apply_at_inference=False)(x, training=False), x)
+    self.assertAllEqual(cls(0.75, rescale="l1")(x, training=False), ops.dct_mp(x, 0.75, "l1"))
     self.assertAllEqual(cls(0.75, mode="gaussian_sketch")(x, training=False), x)
     sketched = cls(0.75, mode="gaussian_sketch", apply_at_inference=True)(x)
     self.assertNotAllClose(sketched, x)
@@ -186,6 +189,11 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
       cls(0.9, mode="gaussian_sketch", warmup_steps=5)
     with self.assertRaisesRegex(ValueError, "not both"):
       cls(0.9, target_device="/cpu:1", target_logical_device=1)
+    with self.assertRaisesRegex(
+        ValueError, r"DCTSplit: rescale must be one of \('none', 'l1'\), got 'l2'"):
+      cls(0.9, rescale="l2")
+    with self.assertRaisesRegex(ValueError, "rescale='l1' needs mode='dct'"):
+      cls(0.9, mode="gaussian_sketch", rescale="l1")
     with self.assertRaisesRegex(ValueError, r"inputs must have rank >= 2"):
       cls(0.9)(tf.ones([8]), training=True)
     with self.assertRaisesRegex(ValueError, r"inputs must have rank >= 2"):
@@ -255,10 +263,12 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(layer.bytes_stats()["total_forward_bytes"],
                      4 * 512 * 4 + 4 * (26 * 4 + 8 * 4))
 
-  @parameterized.parameters("dct", "gaussian_sketch", "xgrad_topk")
-  def test_bytes_stats_are_the_bytes_that_cross(self, mode):
+  @parameterized.parameters(("dct", "none"), ("dct", "l1"), ("gaussian_sketch", "none"),
+                            ("xgrad_topk", "none"))
+  def test_bytes_stats_are_the_bytes_that_cross(self, mode, rescale):
     # d = 512, sparsity 0.95: k = 26; the indices cross bit-packed (8 words).
-    layer = layers.DCTSplit(0.95, mode=mode, target_device="/cpu:1")
+    # A rescale sends nothing more: the source scales the values it sends.
+    layer = layers.DCTSplit(0.95, mode=mode, target_device="/cpu:1", rescale=rescale)
     layer.build((4, 512))
     if mode == "xgrad_topk":  # the residual lives where the backward uses it
       self.assertIn("CPU:1", layer.residual.device)

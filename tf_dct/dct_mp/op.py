@@ -21,6 +21,8 @@ Conventions (the numpy reference in tests/dct_mp/reference.py follows them):
   transfer reproduces the dense form bit for bit.
 * Rank > 2 inputs ([batch, time, features]) are masked over the last axis
   independently at every leading position.
+* rescale="l1" multiplies the kept entries of each row, forward and
+  backward, by the row's L1 norm over theirs (tf_dct.dct_mp.rescale).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import numbers
 import tensorflow as tf
 
 from tf_dct import validation
+from tf_dct.dct_mp.rescale import check_rescale
+from tf_dct.dct_mp.rescale import row_scale
+from tf_dct.dct_mp.rescale import scaled
 
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
@@ -105,15 +110,18 @@ def dct_mp_mask(x, sparsity: float) -> tf.Tensor:
   return tf.reshape(mask, tf.shape(x))
 
 
-def dct_mp(x, sparsity: float) -> tf.Tensor:
+def dct_mp(x, sparsity: float, rescale: str = "none") -> tf.Tensor:
   """Keeps the k = d - floor(d * sparsity) largest |x| per row; same mask backward.
 
   Args:
     x: float tensor [..., d] of rank >= 2 (float16, bfloat16, float32, float64).
     sparsity: eta in [0, 1), the fraction of each row dropped.
+    rescale: "none", or "l1" to multiply each row's kept entries by the row's
+      L1 norm over theirs (`tf_dct.dct_mp.rescale`).
 
   Returns:
-    X ⊙ M. The gradient is dY ⊙ M with the same M (Algorithm 2 lines 12-14).
+    X ⊙ M (times s_i per row with a rescale). The gradient is dY ⊙ M with the
+    same M (Algorithm 2 lines 12-14), times the same s_i.
 
   Example:
     With d = 4 and sparsity 0.5, the 2 largest |x| of each row stay:
@@ -121,18 +129,33 @@ def dct_mp(x, sparsity: float) -> tf.Tensor:
     >>> x = tf.constant([[0.5, -2.0, 1.0, 0.25], [3.0, 0.0, -0.25, 0.5]])
     >>> dct_mp(x, 0.5).numpy().tolist()
     [[0.0, -2.0, 1.0, 0.0], [3.0, 0.0, 0.0, 0.5]]
+
+    With rescale="l1" the kept entries of a row are scaled to the row's L1
+    norm: by 3.75 / 3 in the first row, 2.5 / 2 in the second:
+
+    >>> x = tf.constant([[0.5, -2.0, 1.0, 0.25], [1.5, 0.0, -0.5, 0.5]])
+    >>> dct_mp(x, 0.5, rescale="l1").numpy().tolist()
+    [[0.0, -2.5, 1.25, 0.0], [1.875, 0.0, -0.625, 0.0]]
   """
-  x, _, _ = check_input(x, sparsity, "dct_mp")
+  x, d, k = check_input(x, sparsity, "dct_mp")
+  rescale = check_rescale(rescale, "dct_mp")
 
   @tf.custom_gradient
   def masked(x):
-    mask = dct_mp_mask(x, sparsity)
-    y = tf.where(mask, x, tf.zeros_like(x))  # DCT Algorithm 2 line 10
+    x2 = tf.reshape(x, [-1, d])
+    indices = top_k_indices(x2, k)  # DCT Algorithm 2 lines 4-9
+    mask = mask_from_indices(indices, d)
+    s = (row_scale(x2, tf.gather(x2, indices, batch_dims=1), rescale)
+         if rescale != "none" else None)
+    y = tf.where(mask, scaled(x2, s), tf.zeros_like(x2))  # line 10
 
     def grad(dy):
-      return tf.where(mask, dy, tf.zeros_like(dy))  # DCT Algorithm 2 line 13
+      dy2 = tf.reshape(dy, [-1, d])
+      # DCT Algorithm 2 line 13 (s_i a constant, as the mask is).
+      return tf.reshape(tf.where(mask, scaled(dy2, s), tf.zeros_like(dy2)),
+                        tf.shape(dy))
 
-    return y, grad
+    return tf.reshape(y, tf.shape(x)), grad
 
   return masked(x)
 
@@ -193,23 +216,29 @@ def dynamic_mask(x2: tf.Tensor, k) -> tf.Tensor:
   return rank < tf.cast(k, rank.dtype)
 
 
-def dct_mp_kept(x, k) -> tf.Tensor:
+def dct_mp_kept(x, k, rescale: str = "none") -> tf.Tensor:
   """DCT-MP keeping `k` (a scalar int tensor) entries per row, same mask backward.
 
   The variable-k form used during a split's warm-up; `dct_mp` is the
-  static-k op.
+  static-k op. `rescale` as in `dct_mp`.
   """
   x = tf.convert_to_tensor(x)
   d = x.shape[-1]
+  rescale = check_rescale(rescale, "dct_mp_kept")
 
   @tf.custom_gradient
   def masked(x):
-    mask = tf.reshape(dynamic_mask(tf.reshape(x, [-1, d]), k), tf.shape(x))
-    y = tf.where(mask, x, tf.zeros_like(x))
+    x2 = tf.reshape(x, [-1, d])
+    mask = dynamic_mask(x2, k)
+    s = (row_scale(x2, tf.where(mask, x2, tf.zeros_like(x2)), rescale)
+         if rescale != "none" else None)
+    y = tf.where(mask, scaled(x2, s), tf.zeros_like(x2))
 
     def grad(dy):
-      return tf.where(mask, dy, tf.zeros_like(dy))
+      dy2 = tf.reshape(dy, [-1, d])
+      return tf.reshape(tf.where(mask, scaled(dy2, s), tf.zeros_like(dy2)),
+                        tf.shape(dy))
 
-    return y, grad
+    return tf.reshape(y, tf.shape(x)), grad
 
   return masked(x)

@@ -11,6 +11,8 @@ By default "dct" also masks at inference: the layers after the split were
 trained on rows with k non-zeros, and a dense row would shift their input.
 With `warmup_steps` the first training calls keep more entries per row (the
 count is layer state, so a restored model resumes the schedule). With
+rescale="l1" the kept entries of a row are scaled to the row's L1 norm
+(`tf_dct.dct_mp.rescale`; nothing more crosses). With
 `target_device` or `target_logical_device` only the compressed form crosses
 to that device; outside a tf_dct replica the layer runs the same mask in
 place, bit for bit. "xgrad_topk" keeps its residual as per-replica state of
@@ -34,6 +36,7 @@ from tf_dct.dct_mp.op import dct_mp
 from tf_dct.dct_mp.op import dct_mp_kept
 from tf_dct.dct_mp.op import kept_at
 from tf_dct.dct_mp.op import num_kept
+from tf_dct.dct_mp.rescale import check_rescale
 from tf_dct.dct_mp.transfer import compact_bytes
 from tf_dct.dct_mp.transfer import dct_mp_transfer
 from tf_dct.dct_mp.transfer import device_scope
@@ -83,6 +86,8 @@ class SplitCore:
       only); see the module docstring.
     warmup: "linear" (sparsity rising from 0) or "dense" (unmasked) during
       the warm-up.
+    rescale: "none", or "l1" to scale each row's kept entries to the row's L1
+      norm ("dct" only; `tf_dct.dct_mp.rescale`).
     name: the layer's name; its summary scalars are `tf_dct_mp/<name>/...`.
   """
 
@@ -92,7 +97,7 @@ class SplitCore:
                target_logical_device: int | None = None,
                sketch_seed: int = 0, feedback_rows: int | None = None,
                warmup_steps: int = 0, warmup: str = "linear",
-               name: str = "dct_split"):
+               rescale: str = "none", name: str = "dct_split"):
     self.sparsity = check_sparsity(sparsity, "DCTSplit")
     if mode not in MODES:
       raise ValueError(f"DCTSplit: mode must be one of {MODES}, got {mode!r}")
@@ -125,6 +130,10 @@ class SplitCore:
     if warmup_steps and mode != "dct":
       raise ValueError("DCTSplit: warmup_steps > 0 needs mode='dct', got "
                        f"mode={mode!r}")
+    check_rescale(rescale, "DCTSplit")
+    if rescale != "none" and mode != "dct":
+      raise ValueError(f"DCTSplit: rescale={rescale!r} needs mode='dct', got "
+                       f"mode={mode!r}")
     self.mode = mode
     self.apply_at_inference = apply_at_inference
     self.target_device = target_device
@@ -134,6 +143,7 @@ class SplitCore:
     self.feedback_rows = None if feedback_rows is None else int(feedback_rows)
     self.warmup_steps = int(warmup_steps)
     self.warmup = warmup
+    self.rescale = rescale
     self.step = None  # training calls so far (a variable when warmup_steps > 0)
     self.name = name
     self.stats: dict[str, Any] = {}
@@ -149,7 +159,8 @@ class SplitCore:
             "target_logical_device": self.target_logical_device,
             "sketch_seed": self.sketch_seed,
             "feedback_rows": self.feedback_rows,
-            "warmup_steps": self.warmup_steps, "warmup": self.warmup}
+            "warmup_steps": self.warmup_steps, "warmup": self.warmup,
+            "rescale": self.rescale}
 
   def build(self, shape, add_variable: AddVariable) -> None:
     """Validates the input shape and creates the state."""
@@ -252,8 +263,8 @@ class SplitCore:
     if self.mode == "dct" and self.warmup_steps:
       y, warm = self._dct_with_warmup(x, d, k, target, bool(training))
     elif self.mode == "dct":
-      y = dct_mp(x, self.sparsity) if target is None else dct_mp_transfer(
-          x, self.sparsity, target)
+      y = (dct_mp(x, self.sparsity, self.rescale) if target is None else
+           dct_mp_transfer(x, self.sparsity, target, rescale=self.rescale))
     elif self.mode == "gaussian_sketch":
       y = gaussian_sketch(x, self.sparsity, self.sketch_seed, target)
     else:
@@ -265,17 +276,17 @@ class SplitCore:
     """DCT-MP under the warm-up schedule; returns (y, in the warm-up)."""
     step = tf.convert_to_tensor(self.step)
     warm = step < self.warmup_steps
-    sparsity = self.sparsity
+    sparsity, rescale = self.sparsity, self.rescale
 
     def warming():
-      y = dct_mp_kept(x, kept_at(step, d, k, self.warmup_steps,
-                                         self.warmup))
+      y = dct_mp_kept(x, kept_at(step, d, k, self.warmup_steps, self.warmup),
+                      rescale)
       with device_scope(target):  # the activation crosses dense
         return tf.identity(y)
 
     def full():
-      return (dct_mp(x, sparsity) if target is None
-              else dct_mp_transfer(x, sparsity, target))
+      return (dct_mp(x, sparsity, rescale) if target is None
+              else dct_mp_transfer(x, sparsity, target, rescale=rescale))
 
     y = tf.cond(warm, warming, full)
     if training:
@@ -342,7 +353,8 @@ class SplitLayerMixin:
 
   Args:
     sparsity, mode, apply_at_inference, target_device, target_logical_device,
-    sketch_seed, feedback_rows, warmup_steps, warmup: see `SplitCore`.
+    sketch_seed, feedback_rows, warmup_steps, warmup, rescale: see
+      `SplitCore`.
     **kwargs: passed to the Keras layer (`name`, ...). Inputs are not
       autocast by default: the op runs in the input's dtype.
   """
@@ -353,12 +365,12 @@ class SplitLayerMixin:
                target_logical_device: int | None = None,
                sketch_seed: int = 0, feedback_rows: int | None = None,
                warmup_steps: int = 0, warmup: str = "linear",
-               **kwargs):
+               rescale: str = "none", **kwargs):
     # Validate before the Keras layer exists (Keras 3 allows no attribute
     # before its __init__).
     core = SplitCore(sparsity, mode, apply_at_inference, target_device,
                      target_logical_device, sketch_seed, feedback_rows,
-                     warmup_steps, warmup)
+                     warmup_steps, warmup, rescale)
     kwargs.setdefault("autocast", False)
     super().__init__(**kwargs)
     core.name = self.name

@@ -37,6 +37,9 @@ from tf_dct.dct_mp.op import top_k_indices
 from tf_dct.dct_mp.index_wire import decode_indices
 from tf_dct.dct_mp.index_wire import encode_indices
 from tf_dct.dct_mp.index_wire import index_bytes_per_row
+from tf_dct.dct_mp.rescale import check_rescale
+from tf_dct.dct_mp.rescale import row_scale
+from tf_dct.dct_mp.rescale import scaled
 
 DeviceLike = Union[str, Callable[[], ContextManager], None]
 
@@ -134,8 +137,9 @@ def densify(values: tf.Tensor, indices: tf.Tensor, d: int) -> tf.Tensor:
 
 
 def dct_mp_transfer(x, sparsity: float, target_device: DeviceLike,
-                    source_device: DeviceLike = None) -> tf.Tensor:
-  """`dct_mp(x, sparsity)` with only the compact form crossing to a device.
+                    source_device: DeviceLike = None,
+                    rescale: str = "none") -> tf.Tensor:
+  """`dct_mp(x, sparsity, rescale)` with only the compact form crossing to a device.
 
   Args:
     x: float tensor [..., d] of rank >= 2, on the source device.
@@ -145,11 +149,16 @@ def dct_mp_transfer(x, sparsity: float, target_device: DeviceLike,
       None (no device scope).
     source_device: where the selection and the backward densify run;
       default: the enclosing device scope.
+    rescale: "none" or "l1" (`tf_dct.dct_mp.rescale`): the source
+      scales the kept values before they cross and the compact gradient
+      after it arrives, so nothing more crosses.
 
   Returns:
-    X ⊙ M on the target device, the same values as `dct_mp(x, sparsity)`.
+    X ⊙ M on the target device, the same values as
+    `dct_mp(x, sparsity, rescale)`.
   """
   x, d, k = check_input(x, sparsity, "dct_mp_transfer")
+  rescale = check_rescale(rescale, "dct_mp_transfer")
   shape = local_shape(x)  # keeps the shape tensor off the wire
 
   # Two single-device pieces, each under its own device scope, so that the
@@ -160,14 +169,15 @@ def dct_mp_transfer(x, sparsity: float, target_device: DeviceLike,
   def encode(x):
     x2 = tf.reshape(x, [-1, d])
     values, indices = compact(x2, k)  # DCT Algorithm 2 lines 4-9
+    s = row_scale(x2, values, rescale)  # stays on the source
     wire_indices = encode_indices(indices, d)  # bit-packed or narrow ints
     source = wire_indices.device
 
     def grad(d_values, unused_d_indices):
       with device_scope(source or None):  # the compact gradient arrives here
-        return tf.reshape(densify(d_values, indices, d), shape)
+        return tf.reshape(densify(scaled(d_values, s), indices, d), shape)
 
-    return (values, wire_indices), grad
+    return (scaled(values, s), wire_indices), grad
 
   @tf.custom_gradient
   def decode(values, wire_indices):
