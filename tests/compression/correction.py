@@ -17,6 +17,7 @@ import keras
 import tf_keras
 
 import tf_dct
+from tf_dct.compression import adam_correction
 from tests import util
 from tests.compression import harness
 
@@ -25,17 +26,11 @@ SKETCH_SIZE = 32  # adam_correction.SKETCH_SIZE, restated
 
 
 def sketch_reference(g, step):
-  """The count sketch of a flat gradient: entry i in bucket i mod 32 with the
-  sign of bit 0 of a 32-bit integer hash of (i, step)."""
-  mask = 0xFFFFFFFF
-  i = np.arange(g.size, dtype=np.int64)
-  x = (i + step * 0x9E3779B9) & mask
-  x ^= x >> 16
-  x = (x * 0x7FEB352D) & mask
-  x ^= x >> 15
-  x = (x * 0x846CA68B) & mask
-  x ^= x >> 16
-  signs = 1 - 2 * (x & 1)
+  """The count sketch of a flat gradient: entry i in bucket i mod 32 with its
+  sign from `adam_correction.sketch_signs` (TensorFlow's stateless generator;
+  its signs are checked on their own)."""
+  signs = adam_correction.sketch_signs(g.size, step).numpy().astype(np.float64)
+  i = np.arange(g.size)
   return np.bincount(i % SKETCH_SIZE, weights=g * signs, minlength=SKETCH_SIZE)
 
 

@@ -225,6 +225,17 @@ class SecondMomentTest(tf.test.TestCase):
     unscaled = 4 * sum(np.sum(np.square(g)) for g in grads) / np.sum(np.square(sum(grads)))
     self.assertGreater(unscaled, 2.5)
 
+  def test_sketch_signs(self):
+    signs = compression.adam_correction.sketch_signs
+    a, b = signs(4096, 3).numpy(), signs(4096, 4).numpy()
+    self.assertAllEqual(np.unique(a), [-1.0, 1.0])
+    self.assertAllEqual(a, signs(4096, tf.constant(3.0)).numpy())  # every replica
+    self.assertBetween(np.mean(a), -0.1, 0.1)
+    self.assertBetween(np.mean(a == b), 0.4, 0.6)  # new signs every step
+    g = np.arange(70, dtype=np.float32)
+    self.assertAllClose(compression.adam_correction.sketch(tf.constant(g), a[:70]),
+                        correction.sketch_reference(g.astype(np.float64), 3))
+
   def test_total_is_kept_within_its_bounds(self):
     g = np.random.default_rng(1).normal(size=(40, 30)).astype(np.float32)
     squares = 2 * float(np.sum(np.square(g)))  # the replicas' summed squares

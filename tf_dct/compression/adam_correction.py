@@ -28,7 +28,6 @@ FIRST_MOMENTS = ("aggregate", "replica")
 
 # Floats of the count sketch that scales a matrix's factored estimate.
 SKETCH_SIZE = 32
-_MASK = 0xFFFFFFFF
 
 
 def as_matrix_shape(shape: tf.TensorShape) -> tuple[int, int] | None:
@@ -51,23 +50,25 @@ def factors(variable: tf.Variable, mode: str) -> tuple[int, int] | None:
   return dims
 
 
-def sketch_signs(n: int, step) -> tuple[tf.Tensor, tf.Tensor]:
-  """(+-1 signs, buckets) of the count sketch of an n-entry gradient.
+def sketch_signs(n: int, step) -> tf.Tensor:
+  """The +-1 signs of the count sketch of an n-entry gradient.
 
-  Entry i goes to bucket i mod SKETCH_SIZE with a sign from an integer hash
-  of (i, step): the same on every replica, new every step, so the sketch's
-  errors average out in v. Written with int64 ops masked to 32 bits so a
-  numpy reference reproduces it bit for bit.
+  Drawn by TensorFlow's stateless generator from `step` (Adam's step count,
+  equal on every replica): the same on every replica, new every step, so
+  the sketch's errors average out in v. Entry i goes to bucket i mod
+  `SKETCH_SIZE` (`sketch`).
   """
-  shift, mask = tf.bitwise.right_shift, tf.bitwise.bitwise_and
-  i = tf.range(n, dtype=tf.int64)
-  x = mask(i + tf.cast(step, tf.int64) * 0x9E3779B9, _MASK)
-  x = tf.bitwise.bitwise_xor(x, shift(x, 16))
-  x = mask(x * 0x7FEB352D, _MASK)
-  x = tf.bitwise.bitwise_xor(x, shift(x, 15))
-  x = mask(x * 0x846CA68B, _MASK)
-  x = tf.bitwise.bitwise_xor(x, shift(x, 16))
-  return 1 - 2 * mask(x, 1), i % SKETCH_SIZE
+  seed = tf.stack([tf.cast(step, tf.int32), tf.constant(0x5EED, tf.int32)])
+  u = tf.random.stateless_uniform([n], seed)
+  return tf.where(u < 0.5, -1.0, 1.0)
+
+
+def sketch(g: tf.Tensor, signs: tf.Tensor) -> tf.Tensor:
+  """sum over i in bucket b of signs[i] * g[i], b = 0 .. SKETCH_SIZE - 1, for a
+  flat g (entry i in bucket i mod SKETCH_SIZE)."""
+  pad = -g.shape[0] % SKETCH_SIZE
+  x = tf.pad(g * tf.cast(signs, g.dtype), [[0, pad]])
+  return tf.reduce_sum(tf.reshape(x, [-1, SKETCH_SIZE]), axis=0)
 
 
 def side_channel(grad: tf.Tensor, variable: tf.Variable, mode: str,
@@ -83,10 +84,8 @@ def side_channel(grad: tf.Tensor, variable: tf.Variable, mode: str,
   if dims is None:
     return g
   sq = tf.reshape(tf.square(g), dims)
-  signs, buckets = sketch_signs(g.shape[0], step)
-  sketch = tf.math.unsorted_segment_sum(g * tf.cast(signs, g.dtype), buckets,
-                                        SKETCH_SIZE)
-  return tf.concat([tf.reduce_sum(sq, axis=1), tf.reduce_sum(sq, axis=0), sketch], 0)
+  return tf.concat([tf.reduce_sum(sq, axis=1), tf.reduce_sum(sq, axis=0),
+                    sketch(g, sketch_signs(g.shape[0], step))], 0)
 
 
 def side_channel_size(variable: tf.Variable, mode: str) -> int:
