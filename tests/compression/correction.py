@@ -35,33 +35,47 @@ def sketch_reference(g, step):
 
 
 def second_moment_reference(per_replica, shape, mode, step=0):
-  """V from the replicas' gradients of one variable, as the module states:
-  the square of their sum, or for a matrix whose rows + columns + 32 floats
-  are fewer than its entries (mode "factored") the rank-1 estimate of their
-  summed squares scaled to the sketched squared norm of their sum, kept
-  within [sum of squares, P * sum of squares]. `step`: Adam's step count
-  before the step (the sketch's signs)."""
+  """V from the replicas' gradients of one variable, as the module states.
+
+  "exact": the square of their sum. "factored": P times their summed
+  squares, for a matrix the rank-1 outer product of its row and column sums
+  over the total. "sketched": the square of the sum but for a matrix whose
+  rows + columns + 32 floats are fewer than its entries, which takes the
+  rank-1 shape scaled to the sketched squared norm of the sum, kept within
+  [summed squares, P * summed squares]. `step`: Adam's step count before
+  the step (the sketch's signs).
+  """
   grads = [np.asarray(g, np.float64).reshape(shape) for g in per_replica]
-  n = int(np.prod(shape))
-  if mode == "exact" or len(shape) < 2 or shape[-1] + n // shape[-1] + SKETCH_SIZE >= n:
+  p, n = len(grads), int(np.prod(shape))
+  matrix = len(shape) >= 2 and (mode == "factored" or (
+      mode == "sketched" and shape[-1] + n // shape[-1] + SKETCH_SIZE < n))
+  if mode == "exact" or (mode == "sketched" and not matrix):
     return np.square(sum(grads))
-  p = len(grads)
-  mat = sum(np.square(g) for g in grads).reshape(-1, shape[-1])
+  squares = sum(np.square(g) for g in grads)
+  if not matrix:
+    return p * squares
+  mat = squares.reshape(-1, shape[-1])
   rows, cols = mat.sum(axis=1), mat.sum(axis=0)
   total = rows.sum()
+  if mode == "factored":
+    return (p * np.outer(rows, cols) / total).reshape(shape)
   norm = np.sum(np.square(sum(sketch_reference(g.reshape(-1), step) for g in grads)))
   norm = min(max(norm, total), p * total)
   return (np.outer(rows, cols) * norm / total**2).reshape(shape)
 
 
-def check_side_channel_counted(test, make):
-  """The factored side channel all-reduces rows + columns + 32 sketch
-  floats of a matrix and every entry of a vector: (12 + 10 + 32) * 4 and
-  17 * 4 bytes per replica and step on top of what `make(False)` sends,
-  and every entry of a matrix too small to factor (6 x 5: 30 * 4 bytes);
-  `make(True)` is the same compressor with the correction on."""
-  for shapes, sides in ((harness.FACTORED_SHAPES, (54 * 4, 17 * 4)),
-                        (harness.SHAPES, (30 * 4, 17 * 4))):
+def check_side_channel_counted(test, make, mode="factored"):
+  """The side channel's bytes per replica and step on top of what
+  `make(False)` sends (`make(True)`: the same compressor with the
+  correction on, its side channel in `mode`): "factored" all-reduces rows
+  + columns floats of a matrix and every entry of a vector, (12 + 10) * 4
+  and 17 * 4 bytes; "sketched" 32 sketch floats more for a matrix, (12 + 10
+  + 32) * 4, and every entry of one too small to factor (6 x 5: 30 * 4)."""
+  sides = {"factored": [(harness.FACTORED_SHAPES, (22 * 4, 17 * 4)),
+                        (harness.SHAPES, (11 * 4, 17 * 4))],
+           "sketched": [(harness.FACTORED_SHAPES, (54 * 4, 17 * 4)),
+                        (harness.SHAPES, (30 * 4, 17 * 4))]}[mode]
+  for shapes, expected in sides:
     grads = harness.continuous_gradients(2, 2, seed=3, shapes=shapes)
     payload = {}
     for on in (False, True):
@@ -69,7 +83,7 @@ def check_side_channel_counted(test, make):
       harness.run(comp, grads, 2, shapes=shapes)
       stats = comp.communication_stats()["variables"]
       payload[on] = [stats[name]["total"]["payload_bytes"] for name in ("w0", "w1")]
-    for v, side in enumerate(sides):
+    for v, side in enumerate(expected):
       test.assertAllEqual(np.asarray(payload[True][v]) - payload[False][v],
                           [2 * side, 2 * side])  # 2 steps, per replica
 

@@ -65,6 +65,7 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
   @parameterized.named_parameters(
       ("topk_factored", "topk", "factored", 2),
       ("topk_exact", "topk", "exact", 2),
+      ("topk_sketched", "topk", "sketched", 2),
       # The correction sits outside `reduce`: one DCT-DP path suffices.
       ("dct_dp_factored", "dct", "factored", 4),
   )
@@ -174,7 +175,7 @@ class KerasTest(correction.KerasRun, parameterized.TestCase):
   def test_bad_settings_are_rejected(self):
     cases = (({"adagrad": "yes"}, r"adagrad must be None, True or False, got 'yes'"),
              ({"adagrad_accumulator": "full"},
-              r"adagrad_accumulator must be one of \('factored', 'exact'\), got 'full'"))
+              r"adagrad_accumulator must be one of \('factored', 'sketched', 'exact'\), got 'full'"))
     self._check_settings_rejected(
         cases, (compression.DCTDP, compression.TopK, compression.DEFT))
     with self.assertRaisesRegex(ValueError, r"DCTDP: adagrad=True .* needs an "

@@ -88,11 +88,14 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
       ("topk_exact_raw", "topk", "exact", "raw", 2, "aggregate"),
       ("topk_replica_m", "topk", "factored", "normalized", 2, "replica"),
       ("topk_replica_m_raw", "topk", "exact", "raw", 2, "replica"),
+      ("topk_sketched", "topk", "sketched", "normalized", 2, "replica"),
       # The correction sits outside `reduce`: DCT-DP's stock path needs no
       # case of its own.
       ("dct_dp_native", "dct_native", "factored", "normalized", 4,
        "aggregate"),
       ("dct_dp_native_replica_m", "dct_native", "factored", "normalized", 4,
+       "replica"),
+      ("dct_dp_native_sketched", "dct_native", "sketched", "normalized", 4,
        "replica"),
   )
   def test_matches_numpy_reference(self, kind, mode, select, replicas,
@@ -201,13 +204,13 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
 
 class SecondMomentTest(tf.test.TestCase):
-  """The factored estimate's total follows the square of the replicas' sum."""
+  """The sketched estimate's total follows the square of the replicas' sum."""
 
-  def _totals(self, grads, step):
+  def _totals(self, grads, step, mode="sketched"):
     var = tf.Variable(tf.zeros(grads[0].shape))
     ac = compression.adam_correction
-    summed = sum(ac.side_channel(g, var, "factored", step) for g in grads)
-    return float(tf.reduce_sum(ac.second_moment(summed, var, "factored", len(grads))))
+    summed = sum(ac.side_channel(g, var, mode, step) for g in grads)
+    return float(tf.reduce_sum(ac.second_moment(summed, var, mode, len(grads))))
 
   def test_total_tracks_the_square_of_the_sum(self):
     # 4 replicas: a shared signal plus each replica's noise, 3x larger.
@@ -218,11 +221,11 @@ class SecondMomentTest(tf.test.TestCase):
       grads = [(signal + 3 * rng.normal(size=signal.shape)).astype(np.float32)
                for _ in range(4)]
       ratios.append(self._totals(grads, step) / np.sum(np.square(sum(grads))))
-    # The mean over steps (what v averages) is within 3% of the square of the
-    # sum (clipping at the bounds costs a little); the replicas' mean square,
-    # the estimate without the sketch, is about 3x too large here.
+    # The mean over steps (what v averages) is within a few % of the square
+    # of the sum (clipping at the bounds costs a little); "factored", the
+    # replicas' mean square, is about 3x too large here.
     self.assertBetween(np.mean(ratios), 0.97, 1.06)
-    unscaled = 4 * sum(np.sum(np.square(g)) for g in grads) / np.sum(np.square(sum(grads)))
+    unscaled = self._totals(grads, 0, "factored") / np.sum(np.square(sum(grads)))
     self.assertGreater(unscaled, 2.5)
 
   def test_sketch_signs(self):
@@ -291,9 +294,11 @@ class ResidualDecayTest(tf.test.TestCase):
 class AccountingTest(tf.test.TestCase):
 
   def test_the_side_channel_is_counted(self):
-    correction.check_side_channel_counted(
-        self, lambda on: _with_adam(TopK(0.2, min_count=0, adam=True)) if on
-        else TopK(0.2, min_count=0, adam=False))
+    for mode in ("factored", "sketched"):
+      correction.check_side_channel_counted(
+          self, lambda on, mode=mode: _with_adam(TopK(
+              0.2, min_count=0, adam=True, adam_second_moment=mode)) if on
+          else TopK(0.2, min_count=0, adam=False), mode)
 
 
 class NonFiniteTest(tf.test.TestCase):
@@ -361,7 +366,7 @@ class KerasTest(correction.KerasRun, parameterized.TestCase):
   def test_bad_settings_are_rejected(self):
     cases = (({"adam": "yes"}, r"adam must be None, True or False, got 'yes'"),
              ({"adam_second_moment": "full"},
-              r"adam_second_moment must be one of \('factored', 'exact'\), got 'full'"),
+              r"adam_second_moment must be one of \('factored', 'sketched', 'exact'\), got 'full'"),
              ({"adam_select": "scaled"},
               r"adam_select must be one of \('normalized', 'raw'\), got 'scaled'"),
              ({"adam_first_moment": "local"},

@@ -545,11 +545,10 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
                       for b, w in zip(bias, rows)])
 
   def test_adam_side_channel_is_sent_either_way(self):
-    # Adam correction's side channel (the kernel's 32 entries, fewer than
-    # its 8 + 4 row and column sums and 32-float sketch; the bias's 8) goes
-    # with a whole variable as with a compressed one, so the choice is the
-    # same as without it: the bias is sent whole (32 + 32 bytes), the kernel
-    # compressed (72 + 128).
+    # Adam correction's side channel (the kernel's 8 + 4 row and column
+    # sums, the bias's 8 entries) goes with a whole variable as with a
+    # compressed one, so the choice is the same as without it: the bias is
+    # sent whole (32 + 32 bytes), the kernel compressed (72 + 48).
     compressor = compression.DCTDP(sparsity=0.99, min_count=8, value_dtype=None)
     compressor.set_adam(0.9, 0.999, 1e-7)
     _, _, variables = _dense_run(compressor, steps=1)
@@ -559,9 +558,9 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
       self.assertTrue(compressor.corrects_optimizer(v), v.name)
     stats = compressor.communication_stats()["variables"]
     self.assertEqual(stats["bias"]["last"]["bytes_sent"], [64] * REPLICAS)
-    # The kernel's fixed capacity (one machine's default), and its 128 bytes
+    # The kernel's fixed capacity (one machine's default), and its 48 bytes
     # of side channel.
-    self.assertEqual(stats["kernel"]["last"]["bytes_sent"], [72 + 128] * REPLICAS)
+    self.assertEqual(stats["kernel"]["last"]["bytes_sent"], [72 + 48] * REPLICAS)
 
   def test_break_even_grows_with_replicas(self):
     # The kernel's exchange: (n - 1) x 72 gathered against 2 (n - 1) / n x

@@ -7,10 +7,10 @@ coordinate moves about 1 / sqrt(T) as far as dense training would
 (`bench/adam_bursts.py`). So the compressor keeps, per replica, Adam's first
 moment of its Adam-scaled gradient, selects and feeds back error on that,
 and the optimizer applies the sum of what was sent as plain SGD. The second
-moment is fed every step by a small dense side channel (by default a
-factored, rank-1 estimate of g^2 scaled to a sketch of the square of the
-replicas' summed gradient) and is equal on every replica, so the replicas
-stay identical. With nothing held back, `second_moment="exact"` and
+moment is fed every step by a small dense side channel (a factored, rank-1
+estimate of g^2 by default; "sketched" scales it to a sketch of the square
+of the replicas' summed gradient) and is equal on every replica, so the
+replicas stay identical. With nothing held back, `second_moment="exact"` and
 `select="raw"` this is tf-keras Adam step for step.
 
 docs/compression.md ("Adam correction: the update") has the update and the
@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-SECOND_MOMENTS = ("factored", "exact")
+SECOND_MOMENTS = ("factored", "sketched", "exact")
 SELECTIONS = ("normalized", "raw")
 FIRST_MOMENTS = ("aggregate", "replica")
 
-
-# Floats of the count sketch that scales a matrix's factored estimate.
+# Floats of the count sketch that scales a matrix's "sketched" estimate.
 SKETCH_SIZE = 32
 
 
@@ -39,13 +38,16 @@ def as_matrix_shape(shape: tf.TensorShape) -> tuple[int, int] | None:
 
 
 def factors(variable: tf.Variable, mode: str) -> tuple[int, int] | None:
-  """(rows, columns) when `variable`'s side channel is factored, else None:
-  under "exact", for a vector, and for a matrix whose factored channel
-  (rows + columns + the sketch) would be no smaller than the gradient, the
-  channel is the gradient itself and V the square of the replicas' sum."""
+  """(rows, columns) when `variable`'s V is a rank-1 estimate, else None.
+
+  "factored" and "sketched" factor matrices; "sketched" not a matrix whose
+  channel (rows + columns + the sketch) would be no smaller than the
+  gradient. "exact" factors nothing.
+  """
   dims = as_matrix_shape(variable.shape)
-  if (mode == "exact" or dims is None
-      or sum(dims) + SKETCH_SIZE >= variable.shape.num_elements()):
+  if mode == "exact" or dims is None or (
+      mode == "sketched"
+      and sum(dims) + SKETCH_SIZE >= variable.shape.num_elements()):
     return None
   return dims
 
@@ -75,17 +77,20 @@ def side_channel(grad: tf.Tensor, variable: tf.Variable, mode: str,
                  step=0) -> tf.Tensor:
   """The flat vector this replica all-reduces (SUM) for V.
 
-  Factored: the row and column sums of the squared gradient and a count
-  sketch of the gradient (`SKETCH_SIZE` floats, signs from `step`); else
-  the gradient itself (`factors`).
+  A factored matrix: the row and column sums of the squared gradient, and
+  under "sketched" a count sketch of the gradient (`SKETCH_SIZE` floats,
+  signs from `step`). Otherwise the squared gradient ("factored"
+  vectors) or the gradient itself.
   """
   g = tf.reshape(tf.convert_to_tensor(grad), [-1])
   dims = factors(variable, mode)
   if dims is None:
-    return g
+    return tf.square(g) if mode == "factored" else g
   sq = tf.reshape(tf.square(g), dims)
-  return tf.concat([tf.reduce_sum(sq, axis=1), tf.reduce_sum(sq, axis=0),
-                    sketch(g, sketch_signs(g.shape[0], step))], 0)
+  parts = [tf.reduce_sum(sq, axis=1), tf.reduce_sum(sq, axis=0)]
+  if mode == "sketched":
+    parts.append(sketch(g, sketch_signs(g.shape[0], step)))
+  return tf.concat(parts, 0)
 
 
 def side_channel_size(variable: tf.Variable, mode: str) -> int:
@@ -93,27 +98,34 @@ def side_channel_size(variable: tf.Variable, mode: str) -> int:
   dims = factors(variable, mode)
   if dims is None:
     return variable.shape.num_elements()
-  return dims[0] + dims[1] + SKETCH_SIZE
+  return dims[0] + dims[1] + (SKETCH_SIZE if mode == "sketched" else 0)
 
 
 def second_moment(summed: tf.Tensor, variable: tf.Variable, mode: str,
                   num_replicas: int) -> tf.Tensor:
   """V in the variable's shape from the all-reduced side channel.
 
-  Factored: the rank-1 estimate of Adafactor (Shazeer & Stern 2018) from
-  the replicas' summed squares, scaled so its total is the sketch's
-  estimate of |sum of the replicas' gradients|^2, kept between the sum of
-  their squared norms (independent noise) and `num_replicas` times it (equal
-  gradients). Unscaled it is the replicas' mean square, which gradient
-  noise inflates up to `num_replicas`-fold, shortening Adam's steps.
+  "factored": P times the replicas' summed squares (P = `num_replicas`),
+  rank-1 for a matrix (Adafactor, Shazeer & Stern 2018): the square of the
+  replicas' summed gradient where they agree, up to P times larger where
+  gradient noise dominates. "sketched": the same rank-1 shape scaled so its
+  total is the sketch's unbiased estimate of |sum of the gradients|^2, kept
+  between the summed squares (independent noise) and P times them (equal
+  gradients); unfactored variables the square of the sum, as "exact".
   """
   dims = factors(variable, mode)
+  p = tf.cast(num_replicas, summed.dtype)
   if dims is None:
-    return tf.reshape(tf.square(summed), variable.shape)
-  rows, cols, sketch = tf.split(summed, [dims[0], dims[1], SKETCH_SIZE])
-  total = tf.maximum(tf.reduce_sum(rows), tf.constant(1e-30, summed.dtype))
-  norm = tf.clip_by_value(tf.reduce_sum(tf.square(sketch)), total,
-                          total * tf.cast(num_replicas, summed.dtype))
+    return tf.reshape(summed * p if mode == "factored" else tf.square(summed),
+                      variable.shape)
+  tiny = tf.constant(1e-30, summed.dtype)
+  if mode == "factored":
+    rows, cols = summed[:dims[0]], summed[dims[0]:]
+    total = tf.maximum(tf.reduce_sum(rows), tiny)
+    return tf.reshape(p * rows[:, None] * cols[None, :] / total, variable.shape)
+  rows, cols, sketched = tf.split(summed, [dims[0], dims[1], SKETCH_SIZE])
+  total = tf.maximum(tf.reduce_sum(rows), tiny)
+  norm = tf.clip_by_value(tf.reduce_sum(tf.square(sketched)), total, total * p)
   outer = rows[:, None] * cols[None, :] * (norm / tf.square(total))
   return tf.reshape(outer, variable.shape)
 

@@ -326,8 +326,10 @@ class DCTDP(Compressor):
       (tf-keras or Keras 3, `wrap_optimizer`), else off; False: off; True:
       required.
     adam_second_moment: "factored" (default; row and column sums of the
-      squared gradient, rows + columns floats per matrix) or "exact" (a
-      dense all-reduce; for measurements).
+      squared gradient, rows + columns floats per matrix), "sketched" (the
+      same scaled to a 32-float count sketch of the summed gradient, which
+      removes gradient noise's inflation of v) or "exact" (a dense
+      all-reduce; for measurements).
     adam_select: "normalized" (default: error feedback and selection on the
       Adam-scaled gradient) or "raw" (on the gradient, the scale applied
       after the exchange).
@@ -363,9 +365,8 @@ class DCTDP(Compressor):
       gradient; the optimizer applies the corrected variables as plain SGD.
       False (default): off; None: on with an Adagrad optimizer (tf-keras or
       Keras 3, `wrap_optimizer`); True: required.
-    adagrad_accumulator: "factored" (default; the side channel of
-      `adam_second_moment="factored"`) or "exact" (a dense all-reduce; for
-      measurements).
+    adagrad_accumulator: "factored" (default), "sketched" or "exact": the
+      side channel of `adam_second_moment`.
 
   docs/dct_dp.md states the exact conventions.
   """
