@@ -115,14 +115,16 @@ def second_moment(summed: tf.Tensor, variable: tf.Variable, mode: str,
   """
   dims = factors(variable, mode)
   p = tf.cast(num_replicas, summed.dtype)
-  if dims is None:
-    return tf.reshape(summed * p if mode == "factored" else tf.square(summed),
-                      variable.shape)
   tiny = tf.constant(1e-30, summed.dtype)
   if mode == "factored":
+    summed = summed * p
+    if dims is None:
+      return tf.reshape(summed, variable.shape)
     rows, cols = summed[:dims[0]], summed[dims[0]:]
-    total = tf.maximum(tf.reduce_sum(rows), tiny)
-    return tf.reshape(p * rows[:, None] * cols[None, :] / total, variable.shape)
+    outer = rows[:, None] * cols[None, :] / tf.maximum(tf.reduce_sum(rows), tiny)
+    return tf.reshape(outer, variable.shape)
+  if dims is None:
+    return tf.reshape(tf.square(summed), variable.shape)
   rows, cols, sketched = tf.split(summed, [dims[0], dims[1], SKETCH_SIZE])
   total = tf.maximum(tf.reduce_sum(rows), tiny)
   norm = tf.clip_by_value(tf.reduce_sum(tf.square(sketched)), total, total * p)
