@@ -97,6 +97,8 @@ def hparams(cfg: dict, num_replicas: int, *, sparsifier: bool,
       out["momentum_correction"] = bool(cfg.get("momentum_correction", True))
     if cfg["optimizer"] in ("adam", "adamw"):
       out["adam_correction"] = adam_correction
+      if adam_correction:
+        out["adam_second_moment"] = cfg.get("adam_second_moment", "factored")
   return out
 
 

@@ -259,6 +259,12 @@ flags.DEFINE_float("adam_residual_decay", None,
                    "residuals are multiplied by after each step, in (0, 1]. 1 keeps every "
                    "held-back entry (Algorithm 1); below 1 a held-back entry's pile of first "
                    "moments fades instead of landing late as one jump. Default 1 (dlrm 0.9).")
+flags.DEFINE_enum("adam_second_moment", "factored", ("factored", "sketched", "exact"),
+                  "With --compression=dct/deft/topk under Adam correction: its second "
+                  "moment's side channel. factored: row and column sums of the squared "
+                  "gradient; sketched: the same scaled to a 32-float count sketch of the "
+                  "summed gradient (closer to Adam; better on the Transformer, worse on the "
+                  "LSTM-LM in our runs); exact: the whole gradient (for measurements).")
 flags.DEFINE_list("compression_exclude", [],
                   "Regular expressions; variables whose names match one are all-reduced as "
                   "they are (embedding IndexedSlices all-gathered), not compressed. E.g. "
@@ -597,6 +603,12 @@ def validate(cfg: dict) -> None:
                     "--optimizer=adam/adamw and --adam_correction on; this run has "
                     f"--optimizer={cfg['optimizer']} --compression={comp} "
                     f"--adam_correction={str(adam_correction(cfg)).lower()}")
+  if cfg.get("adam_second_moment", "factored") != "factored" and not (
+      comp in SPARSIFIERS and adam_correction(cfg)):
+    raise FlagError("--adam_second_moment applies to --optimizer=adam/adamw with "
+                    f"--compression={'/'.join(SPARSIFIERS)} and Adam correction on; this run "
+                    f"has --optimizer={cfg['optimizer']} --compression={comp} "
+                    f"--adam_correction={str(adam_correction(cfg)).lower()}")
   if cfg.get("value_dtype", "auto") != "auto" and comp not in VALUE_WORDS:
     raise FlagError(f"--value_dtype is for --compression={'/'.join(VALUE_WORDS)}, not "
                     f"--compression={comp}")
@@ -698,6 +710,8 @@ def make_compressor(cfg: dict, cls: type | None = None):
     if cfg["optimizer"] in ("adam", "adamw"):
       # None: the compressor takes Adam's hyper-parameters from the optimizer.
       common["adam"] = None if adam_correction(cfg) else False
+      if adam_correction(cfg):
+        common["adam_second_moment"] = cfg.get("adam_second_moment", "factored")
   if comp == "dct":
     if adam_correction(cfg):
       common["residual_decay"] = cfg["adam_residual_decay"]
@@ -1391,6 +1405,8 @@ def print_table(s: dict, cfg: dict) -> None:
     if cfg["optimizer"] in ("adam", "adamw"):
       options.append("Adam correction" if s.get("adam_correction")
                      else "no Adam correction")
+      if s.get("adam_correction") and cfg.get("adam_second_moment", "factored") != "factored":
+        options.append(f"{cfg['adam_second_moment']} second moment")
       if comp == "dct" and s.get("adam_correction") and cfg["adam_residual_decay"] != 1:
         options.append(f"residual decay {cfg['adam_residual_decay']}")
   if options:

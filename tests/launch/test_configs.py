@@ -104,7 +104,7 @@ class ParseTest(parameterized.TestCase, tf.test.TestCase):
        "fields: bottom_mlp, embedding_dim, top_mlp, vocab_sizes$"),
       ("top_level", ["--model=ncf", "--config=local", "--config.stepz=3"],
        "^--config.stepz: the config of --model=ncf has no field 'stepz'; its fields: "
-       "adam_correction, adam_residual_decay, batch_size, "),
+       "adam_correction, adam_residual_decay, adam_second_moment, batch_size, "),
       ("below_a_value", ["--config.steps.x=3"],
        "^--config.steps.x: config.steps of --model=dlrm has no field 'x'; its fields: "
        "none: it is a value$"),

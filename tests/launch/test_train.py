@@ -475,6 +475,19 @@ class CompressionExcludeTest(tf.test.TestCase):
                                   f"not --compression={comp}$"):
         _cfg(model="dlrm", compression=comp, value_dtype="float32")
 
+  def test_adam_second_moment_reaches_the_compressor_under_adam_correction(self):
+    for comp in ("dct", "topk"):
+      self.assertEqual(train.make_compressor(_cfg(
+          model="mlp", optimizer="adam", compression=comp,
+          adam_second_moment="sketched")).adam_second_moment, "sketched")
+    self.assertEqual(train.make_compressor(_cfg(
+        model="mlp", optimizer="adam")).adam_second_moment, "factored")
+    for extra in ({"optimizer": "sgd"}, {"compression": "none"},
+                  {"adam_correction": False}):
+      with self.assertRaisesRegex(train.FlagError,
+                                  r"^--adam_second_moment applies to --optimizer=adam/adamw "):
+        _cfg(model="mlp", **{"optimizer": "adam", "adam_second_moment": "sketched", **extra})
+
   def test_adam_residual_decay_reaches_dct_under_adam_correction(self):
     # dlrm's default decays DCT-DP's residuals by 0.9 under Adam correction;
     # the other models keep Algorithm 1's residual (1).
