@@ -1051,11 +1051,11 @@ class Compressor(tf.Module):
               and not isinstance(grads[i], tf.IndexedSlices)]
     if not picked:
       return [], []
-    # The sketch's signs change with Adam's step count (equal on every
-    # replica); Adagrad correction keeps no count and uses fixed signs.
-    parts = [adam_correction.side_channel(
-        grads[i], variables[i], mode,
-        states[i]["adam_t"].local().read_value() if "adam_t" in states[i] else 0)
+    # A "sketched" channel's signs change with Adam's step count (equal on
+    # every replica); Adagrad correction keeps no count and uses fixed signs.
+    step = lambda st: (st["adam_t"].local().read_value()
+                       if mode == "sketched" and "adam_t" in st else 0)
+    parts = [adam_correction.side_channel(grads[i], variables[i], mode, step(states[i]))
              for i in picked]
     sizes = [adam_correction.side_channel_size(variables[i], mode)
              for i in picked]
