@@ -44,7 +44,8 @@ LAUNCHER_DEFAULTS = {
     "compression": "dct", "warmup_steps": 0, "sparsity_schedule": (), "min_size": 0,
     "min_count": config_dict.placeholder(int), "momentum_correction": True,
     "adam_correction": True, "adam_second_moment": "factored", "compression_exclude": (),
-    "sparse_gradients": "auto", "dense_gradients": "auto", "value_dtype": "auto", "loop": "custom", "seed": 0,
+    "sparse_gradients": "auto", "dense_gradients": "auto", "value_dtype": "auto",
+    "loop": "custom", "seed": 0,
     "summary_every": config_dict.placeholder(int),
 }
 # Sub-configs every config has (filled per model).
