@@ -189,7 +189,9 @@ def make_compressor(name, lam):
               0.99, threshold_life=1000, value_dtype=None),
           "TopK(bf16)": lambda: compression.TopK(DENSITY,
                                                  value_dtype="bfloat16"),
-          "DEFT": lambda: compression.DEFT(DENSITY),
+          # The paper's norm-proportional budget (Algorithm 3), as the
+          # density simulation and the selection timing below.
+          "DEFT": lambda: compression.DEFT(DENSITY, budget="norm"),
           "TopK": lambda: compression.TopK(DENSITY),
           "CLTK": lambda: compression.CLTK(DENSITY),
           "HardThreshold": lambda: compression.HardThreshold(lam)}[name]()

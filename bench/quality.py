@@ -108,7 +108,8 @@ DOC_END = "<!-- end of results -->"
 # sent, no momentum or Adam correction, every variable compressed; for DCT-DP
 # no density guard either, so a threshold lives its full L steps as in
 # Algorithm 1, and float32 values, not DCT-DP's default bfloat16 value
-# words). A new option is one more line here.
+# words; for DEFT the budget split by partition norms, Algorithm 3). A new
+# option is one more line here.
 PAPER = {"min_count": 0, "momentum": 0.0, "adam": False, "dense_gradients": "compress"}
 COMPRESSORS: dict[str, tuple[str, dict]] = {
     "dense": ("none", {}),
@@ -117,7 +118,7 @@ COMPRESSORS: dict[str, tuple[str, dict]] = {
     "topk": ("topk", {}),
     "topk_paper": ("topk", PAPER),
     "deft": ("deft", {}),
-    "deft_paper": ("deft", PAPER),
+    "deft_paper": ("deft", {**PAPER, "budget": "norm"}),
 }
 
 

@@ -58,6 +58,13 @@ def local_k(norms, sizes, k_total, min_count=1):
   return k
 
 
+def size_k(sizes, k_total, min_count=1):
+  """The "size" budget: min(size, max(1, min_count, floor(k_total * size /
+  n_g))) per partition, exact integers."""
+  n_g = sum(sizes)
+  return [min(s, max(1, min_count, (k_total * s) // n_g)) for s in sizes]
+
+
 def mitchell_log2(k):
   """Fixed point (2^23 per octave) Mitchell log2 of the float32 of k."""
   return int(np.array(k, np.float32).view(np.int32)) - (127 << 23)
@@ -93,11 +100,12 @@ class ReferenceStep:
   selected_count: list  # selected_count[r][v]
 
 
-def deft_reference(grads, density, min_size=0, warmup_steps=0, min_count=1):
+def deft_reference(grads, density, min_size=0, warmup_steps=0, min_count=1,
+                   budget="size"):
   """Runs DEFT on grads[t][r][v] (numpy arrays, one float dtype).
 
-  Variables below `min_size` are summed densely. Returns one ReferenceStep
-  per step.
+  Variables below `min_size` are summed densely; `budget` as DEFT's ("size"
+  or "norm", Algorithm 3). Returns one ReferenceStep per step.
   """
   first = grads[0][0]
   replicas = len(grads[0])
@@ -121,7 +129,10 @@ def deft_reference(grads, density, min_size=0, warmup_steps=0, min_count=1):
       for x, (_, start, size) in enumerate(parts):
         piece = acc[r][start:start + size].astype(np.float32)
         norms[x] = np.float32(norms[x] + np.sqrt(np.sum(np.square(piece))))
-    k = local_k(norms, p_sizes, k_total, min_count)
+    if budget == "norm":
+      k = local_k(norms, p_sizes, k_total, min_count)
+    else:
+      k = size_k(p_sizes, k_total, min_count)
     bins = pack(k, p_sizes, replicas)
     own = owners(bins, t, replicas)
     warm = t < warmup_steps

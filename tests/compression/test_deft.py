@@ -104,6 +104,11 @@ class DEFTReferenceTest(tf.test.TestCase, parameterized.TestCase):
                                          "min_count": 1}),
       ("4_replicas_min_count_default", 4, {"min_count": 8}),
       ("2_replicas_min_count_40", 2, {"min_count": 40}),
+      ("4_replicas_norm_budget", 4, {"min_count": 1, "budget": "norm"}),
+      ("4_replicas_norm_budget_min_count_default", 4, {"min_count": 8,
+                                                       "budget": "norm"}),
+      ("2_replicas_norm_budget_warmup_min_size", 2, {
+          "warmup_steps": 2, "min_size": 25, "min_count": 1, "budget": "norm"}),
   )
   def test_matches_reference(self, replicas, extra):
     kwargs = dict(density=DENSITY, **extra)
@@ -112,8 +117,14 @@ class DEFTReferenceTest(tf.test.TestCase, parameterized.TestCase):
     _, _, ref = self._compare(replicas, kwargs, autograph=False)
     # The run exercised what it is meant to: k differs between partitions,
     # owners rotate, and with n > 1 every replica selected something.
-    # (With a floor of 8 most small partitions take exactly the floor.)
-    self.assertGreater(len(set(ref[-1].k)), 2 if kwargs["min_count"] <= 1 else 1)
+    # (With a floor of 8 most small partitions take exactly the floor; under
+    # the "size" budget k follows the partition sizes, which take 2-3 values.)
+    by_norm = kwargs.get("budget") == "norm" and kwargs["min_count"] <= 1
+    self.assertGreater(len(set(ref[-1].k)), 2 if by_norm else 1)
+    if kwargs.get("budget", "size") == "size":  # the default
+      k_total = deft.total_k(ref[-1].union.size, DENSITY)
+      self.assertEqual(ref[-1].k, deft.size_k(
+          [p[2] for p in ref[-1].parts], k_total, kwargs["min_count"]))
     if replicas > 1:
       self.assertNotEqual(ref[-1].owners, ref[-2].owners)
       for r in range(replicas):
@@ -207,6 +218,29 @@ class PlanTest(tf.test.TestCase):
             10**6, k_total, len(sizes), min_count, sizes))
 
 
+  def test_size_k(self):
+    # n_g = 658, k_total = 40: floor(40 * size / 658) is 18, 18, 3, 0, 0.
+    self.assertEqual(deft.size_k([300, 300, 50, 7, 1], 40), [18, 18, 3, 1, 1])
+    self.assertEqual(deft.size_k([300, 300, 50, 7, 1], 40, 8), [18, 18, 8, 7, 1])
+    self.assertEqual(deft.size_k([5, 9, 2], 400), [5, 9, 2])  # whole partitions
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+      sizes = [int(s) for s in rng.integers(1, 400, int(rng.integers(1, 25)))]
+      k_total = int(rng.integers(1, sum(sizes) + 1))
+      min_count = int(rng.choice([0, 1, 8, 64]))
+      k = deft.size_k(sizes, k_total, min_count)
+      self.assertEqual(k, reference.size_k(sizes, k_total, min_count))
+      floors = [min(s, max(1, min_count)) for s in sizes]
+      self.assertTrue(all(f <= kx <= s for kx, f, s in zip(k, floors, sizes)))
+      self.assertLessEqual(sum(k), deft.union_capacity(
+          sum(sizes), k_total, len(sizes), min_count, sizes), msg=f"trial {trial}")
+      # The same density everywhere: no partition above its share but for
+      # its floor.
+      n_g = sum(sizes)
+      self.assertTrue(all(kx <= max(f, k_total * s / n_g)
+                          for kx, f, s in zip(k, floors, sizes)))
+
+
 class OwnedTopKTest(tf.test.TestCase, parameterized.TestCase):
   """The top-k size ladder keeps exactly the positions one top-k of K_x keeps."""
 
@@ -298,11 +332,12 @@ class DensityTest(tf.test.TestCase):
       self.assertGreater(d, 4 * 0.01, msg=key)
 
 
-class AccountingTest(tf.test.TestCase):
+class AccountingTest(tf.test.TestCase, parameterized.TestCase):
 
-  def test_reported_bytes_are_what_the_collectives_move(self):
+  @parameterized.parameters("norm", "size")
+  def test_reported_bytes_are_what_the_collectives_move(self, budget):
     replicas = 4
-    compressor = DEFT(density=DENSITY)
+    compressor = DEFT(density=DENSITY, budget=budget)
     harness.run(compressor, _gradients(2, replicas, seed=4), replicas,
                 shapes=SHAPES)
     sizes = [int(np.prod(shape)) for shape in SHAPES]
@@ -310,12 +345,13 @@ class AccountingTest(tf.test.TestCase):
     parts = deft.partition(sizes, replicas)
     cap = deft.union_capacity(n_g, deft.total_k(n_g, DENSITY), len(parts),
                               compressor.min_count, [p.size for p in parts])
-    # One all-reduce of P float32 norms, of the "ef" words of U positions
-    # (b low bits each, then a bitmap of ((n_g - 1) >> b) + U bits), of U
-    # values.
+    # One all-reduce of P float32 norms (budget "norm" only), of the "ef"
+    # words of U positions (b low bits each, then a bitmap of
+    # ((n_g - 1) >> b) + U bits), of U values.
     b = int(np.floor(np.log2(n_g / cap)))
     words = -(-(cap * b + ((n_g - 1) >> b) + cap) // 32)
-    moved = 4 * len(parts) + 4 * words + 4 * cap
+    norms = 4 * len(parts) if budget == "norm" else 0
+    moved = norms + 4 * words + 4 * cap
     stats = compressor.communication_stats()
     self.assertEqual(stats["last"]["payload_bytes"], [moved] * replicas)
     ring = 2 * (replicas - 1) / replicas
@@ -355,6 +391,8 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("min_size_float", {"min_size": 1.5}, "min_size"),
       ("warmup_negative", {"warmup_steps": -2}, "warmup_steps must be an int >= 0"),
       ("warmup_none", {"warmup_steps": None}, "warmup_steps"),
+      ("budget_unknown", {"budget": "l2"},
+       "budget must be one of \\('norm', 'size'\\), got 'l2'"),
   )
   def test_bad_argument(self, kwargs, message):
     with self.assertRaisesRegex(ValueError, message):

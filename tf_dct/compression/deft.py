@@ -3,16 +3,18 @@
 Every step, each replica adds its held-back error to its gradient. The flat
 vector of all compressed variables is cut into partitions (whole variables,
 or n pieces of a variable larger than n_g / n). Each partition gets a share
-k_x of the budget k_total = n_g * density in proportion to its norm, and the
-partitions are packed onto replicas so that the selection work is balanced.
+k_x of the budget k_total = n_g * density, in proportion to its norm
+(`budget="norm"`, DEFT Algorithm 3) or to its size (`budget="size"`, the
+default), and the partitions are packed onto replicas so that the selection
+work is balanced.
 Each replica runs top-k only on the partitions it owns, on its own
 accumulator. The chosen positions do not overlap across replicas; their union
 is shared, every replica contributes its accumulator there, the sum is the
 update, and every replica clears its error at the union.
 
-Three all-reduces per step carry the partition norms, the union of positions
-(Elias-Fano coded, `sparse_wire`'s "ef" layout, in position order) and the
-values there. Every choice (partition, budget, packing, rotation,
+All-reduces carry the partition norms (under "norm" only), the union of
+positions (Elias-Fano coded, `sparse_wire`'s "ef" layout, in position order)
+and the values there. Every choice (partition, budget, packing, rotation,
 ties) is a deterministic function of all-reduced numbers, so the replicas
 agree without a leader. docs/sparsifiers.md fixes each convention; the numpy
 reference tests/compression/reference_deft.py follows it exactly.
@@ -35,6 +37,10 @@ from tf_dct.compression import sparse_wire
 from tf_dct.compression.base import Compressor
 
 _check = functools.partial(validation.check_number, "DEFT")
+
+# How k_total is split over the partitions: "norm" (DEFT Algorithm 3) or
+# "size" (the same density everywhere, `size_k`).
+BUDGETS = ("norm", "size")
 
 # Mitchell log2 in fixed point: float32 bits minus the exponent bias.
 LOG2_ONE = 1 << 23
@@ -139,6 +145,18 @@ def local_k(norms: tf.Tensor, sizes: Sequence[int], k_total: int,
   return tf.scatter_nd(order[:, None], s_k, [p])
 
 
+def size_k(sizes: Sequence[int], k_total: int, min_count: int = 1) -> list[int]:
+  """k_x per partition in proportion to its size (beyond the paper).
+
+  k_x = min(size_x, max(1, min_count, floor(k_total * size_x / n_g))): every
+  partition at the budget's density, whatever its norm. Static, so no norm
+  is exchanged. Fits `union_capacity` as `local_k` does.
+  """
+  n_g = sum(sizes)
+  floor = max(1, min_count)
+  return [min(size, max(floor, k_total * size // n_g)) for size in sizes]
+
+
 def selection_cost(k: tf.Tensor, sizes: Sequence[int]) -> tf.Tensor:
   """int64 cost size_x * max(1, log2 k_x), log2 in Mitchell fixed point."""
   log2 = tf.bitcast(tf.cast(k, tf.float32), tf.int32) - _FLOAT32_BIAS
@@ -237,6 +255,12 @@ class DEFT(Compressor):
       `Compressor.reduce_as_is`).
     min_count: every partition takes at least min(size, min_count) of the
       budget, an int >= 0 (the paper: 1; values below 1 mean 1).
+    budget: how the budget k_total is split over the partitions: "size"
+      (default; in proportion to their sizes, so every partition is sent at
+      `density` and no norms are exchanged) or "norm" (DEFT Algorithm 3: in
+      proportion to their norms summed over replicas). Under momentum and
+      Adam the norm split starved layers whose gradients are small and
+      trained further behind dense (docs/quality.md).
     sparse_gradients: "auto" (default), "stock" or "compress": how
       `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
       them as TF does where that moves fewer bytes (`Compressor`).
@@ -263,12 +287,15 @@ class DEFT(Compressor):
                adagrad: bool | None = False,
                adagrad_accumulator: str = "factored",
                sparse_gradients: str = "auto",
-               dense_gradients: str = "auto"):
+               dense_gradients: str = "auto", budget: str = "size"):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
+    if budget not in BUDGETS:
+      raise ValueError(f"DEFT: budget must be one of {BUDGETS}, got {budget!r}")
+    self.budget = budget
     self._init_momentum(momentum, momentum_masking)
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)
@@ -338,7 +365,7 @@ class DEFT(Compressor):
                     seconds):
     """Reports one group's collectives to the accounting, per variable.
 
-    The group all-reduces P float32 norms, the "ef" words of the U union
+    The group all-reduces P float32 norms (budget "norm"), the "ef" words of the U union
     positions and U values (plus every entry densely while warmup is
     configured). Norms are charged to the variable owning the partition;
     the union's words and values are split in proportion to variable size
@@ -352,7 +379,8 @@ class DEFT(Compressor):
     shares = [union_bytes * size // n_g for size in sizes]
     shares[-1] += union_bytes - sum(shares)
     for i, var in enumerate(variables):
-      norms = 4 * sum(1 for p in parts if p.variable == i)
+      norms = (4 * sum(1 for p in parts if p.variable == i)
+               if self.budget == "norm" else 0)
       union = shares[i]
       warm = sizes[i] * dtype.size if self.in_graph_warmup else 0
       self.record(var, reduce_bytes=norms + union + warm,
@@ -387,11 +415,15 @@ class DEFT(Compressor):
     acc = tf.concat([error_feedback.accumulate(g, value["residual"], v)
                      for g, value, v in zip(grads, values, variables)], axis=0)
     pieces = [acc[p.start:p.start + p.size] for p in parts]
-    norms = tf.stack([tf.sqrt(tf.reduce_sum(tf.square(tf.cast(x, tf.float32))))
-                      for x in pieces])
-    # Beyond the paper: every replica gets the same norms, hence the same plan.
-    norms = ctx.all_reduce(tf.distribute.ReduceOp.SUM, norms)
-    k = local_k(norms, p_sizes, k_total, self.min_count)  # DEFT Algorithm 3
+    if self.budget == "norm":
+      norms = tf.stack([tf.sqrt(tf.reduce_sum(tf.square(tf.cast(x, tf.float32))))
+                        for x in pieces])
+      # Beyond the paper: every replica gets the same norms, hence the same
+      # plan.
+      norms = ctx.all_reduce(tf.distribute.ReduceOp.SUM, norms)
+      k = local_k(norms, p_sizes, k_total, self.min_count)  # DEFT Algorithm 3
+    else:
+      k = tf.constant(size_k(p_sizes, k_total, self.min_count), tf.int32)
     owner = owners(pack(k, p_sizes, n), step, n)         # DEFT Algorithm 4
     owned = tf.equal(owner, tf.cast(ctx.replica_id_in_sync_group, tf.int32))
     warm = None
