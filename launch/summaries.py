@@ -84,6 +84,8 @@ def hparams(cfg: dict, num_replicas: int, *, sparsifier: bool,
                    f"{n}:{x}" for n, x in cfg.get("sparsity_schedule") or ()))
   elif comp in ("deft", "topk", "cltk"):
     out["density"] = cfg["density"]
+    if comp == "deft":
+      out["deft_budget"] = cfg.get("deft_budget", "size")
   elif comp == "threshold":
     out["threshold"] = cfg["threshold"]
     if "density" in cfg.get("explicit", ()):

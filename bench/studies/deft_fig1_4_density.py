@@ -72,8 +72,8 @@ def build_model(seed: int = 0):
 
 def make_compressor(name: str, density: float = DENSITY):
   from tf_dct import compression  # pylint: disable=g-import-not-at-top
-  if name.startswith("DEFT"):
-    return compression.DEFT(density, min_size=MIN_SIZE)
+  if name.startswith("DEFT"):  # the paper's budget, split by norms
+    return compression.DEFT(density, min_size=MIN_SIZE, budget="norm")
   if name == "TopK":
     return compression.TopK(density, min_size=MIN_SIZE)
   if name == "CLTK":

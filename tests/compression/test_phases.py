@@ -143,12 +143,17 @@ class PhasesTest(tf.test.TestCase, parameterized.TestCase):
     plain._check_driven()  # pylint: disable=protected-access
 
   def test_deft_phases(self):
-    make = lambda: DEFT(0.2, warmup_steps=WARMUP)
+    make = lambda: DEFT(0.2, warmup_steps=WARMUP, budget="norm")
     # DEFT's exchange is three all-reduces (norms, union, values); the int32
     # union is summed without a collective op between local devices.
     self.assertEqual(_collectives(make(), None), (6, 0, 8))
     self.assertEqual(_collectives(make(), 0), (2, 0, 2))
     self.assertEqual(_collectives(make(), 1), (4, 0, 6))
+    # Split by size (the default), the budget needs no norms.
+    make = lambda: DEFT(0.2, warmup_steps=WARMUP)
+    self.assertEqual(_collectives(make(), None), (4, 0, 6))
+    self.assertEqual(_collectives(make(), 0), (2, 0, 2))
+    self.assertEqual(_collectives(make(), 1), (2, 0, 4))
 
   @parameterized.named_parameters(*COMPRESSORS)
   def test_driven_phases_send_what_the_in_graph_warmup_sends(self, make):

@@ -488,6 +488,15 @@ class CompressionExcludeTest(tf.test.TestCase):
                                   r"^--adam_second_moment applies to --optimizer=adam/adamw "):
         _cfg(model="mlp", **{"optimizer": "adam", "adam_second_moment": "sketched", **extra})
 
+  def test_deft_budget_reaches_deft(self):
+    self.assertEqual(train.make_compressor(_cfg(model="mlp", compression="deft")).budget,
+                     "size")
+    self.assertEqual(train.make_compressor(_cfg(
+        model="mlp", compression="deft", deft_budget="norm")).budget, "norm")
+    with self.assertRaisesRegex(train.FlagError, r"^--deft_budget applies to "
+                                r"--compression=deft; this run has --compression=topk$"):
+      _cfg(model="mlp", compression="topk", deft_budget="norm")
+
   def test_adam_residual_decay_reaches_dct_under_adam_correction(self):
     # dlrm's default decays DCT-DP's residuals by 0.9 under Adam correction;
     # the other models keep Algorithm 1's residual (1).

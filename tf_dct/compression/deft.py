@@ -270,8 +270,9 @@ class DEFT(Compressor):
       `Compressor`).
     momentum, momentum_masking: momentum correction, as in `DCTDP`.
     adam, adam_second_moment, adam_select, adam_first_moment: Adam
-      correction, as in `DCTDP`, but off by default: with DEFT's norm-based
-      budget it trained worse than without it in our runs (docs/quality.md).
+      correction, as in `DCTDP`, but off by default: it trained worse with
+      the "norm" budget, and with "size" better on three of four models but
+      for a quarter to two thirds of the bytes saved (docs/quality.md).
     adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP`.
 
   See the module docstring for the exact conventions.
