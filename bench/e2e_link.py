@@ -85,6 +85,8 @@ WORKER = os.path.join(REPO_ROOT, "bench", "e2e_worker.py")
 
 CONFIGS = ("dense", "dctdp", "dctdp_mp", "deft", "topk", "native", "dctdp_fc")
 DEFAULT_CONFIGS = ("native", "dense", "dctdp", "dctdp_mp", "deft", "topk")
+# tf_dct.dct_mp.RESCALES, spelled out: the driver imports no TensorFlow.
+MP_RESCALES = ("none", "l1")
 SHAPERS = ("auto", "netem", "tbf")
 NS_PREFIX = "dcte2e_"
 SUBNET = "10.77.0"
@@ -176,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--sparsity", type=float, default=0.99, help="DCT-DP sparsity in (0, 1)")
   p.add_argument("--threshold_life", type=int, default=1000, help="DCT-DP L, >= 1")
   p.add_argument("--mp_sparsity", type=float, default=0.9, help="DCT-MP sparsity in [0, 1)")
+  p.add_argument("--mp_rescale", default="none", choices=MP_RESCALES,
+                 help="dctdp_mp: DCT-MP's rescale of the kept activations, as the "
+                 "launcher's --mp_rescale (none: Algorithm 2; l1: each row's L1 kept)")
   p.add_argument("--density", type=float, default=0.01, help="DEFT/TopK density in (0, 1]")
   p.add_argument("--min_count", type=int, default=None,
                  help="entries every compressed variable sends at least, >= 0 "
@@ -600,7 +605,8 @@ def worker_argv(args: argparse.Namespace, config: str, handshake_dir: str) -> li
           f"--eval_steps={args.eval_steps}", f"--learning_rate={args.learning_rate}",
           f"--optimizer={args.optimizer}",
           f"--sparsity={args.sparsity}", f"--threshold_life={args.threshold_life}",
-          f"--mp_sparsity={args.mp_sparsity}", f"--density={args.density}",
+          f"--mp_sparsity={args.mp_sparsity}", f"--mp_rescale={args.mp_rescale}",
+          f"--density={args.density}",
           f"--compression_warmup={args.compression_warmup}",
           f"--seed={args.seed}", f"--timeout={args.timeout}",
           f"--compressor_options={args.compressor_options}"] + (

@@ -86,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--sparsity", type=float, required=True)
   p.add_argument("--threshold_life", type=int, required=True)
   p.add_argument("--mp_sparsity", type=float, required=True)
+  p.add_argument("--mp_rescale", default="none", help="dctdp_mp: DCT-MP's rescale")
   p.add_argument("--density", type=float, required=True)
   p.add_argument("--compression_warmup", type=int, default=0,
                  help="dense steps at the start (the compressor's warmup_steps)")
@@ -118,6 +119,8 @@ def launcher_config(args: argparse.Namespace) -> dict:
       threshold_life=args.threshold_life, density=args.density, mp_sparsity=args.mp_sparsity,
       mp_splits="paper" if args.config == "dctdp_mp" else "none",
       compression_exclude=["embeddings"] if args.config == "dctdp_fc" else [])
+  if args.config == "dctdp_mp":
+    flags["mp_rescale"] = args.mp_rescale
   if args.min_count is not None and flags["compression"] in train.SPARSIFIERS:
     flags["min_count"] = args.min_count
   if args.sparsity_schedule is not None and flags["compression"] == "dct":

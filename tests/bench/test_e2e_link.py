@@ -208,6 +208,20 @@ def test_worker_passes_the_compression_warmup_to_the_launcher():
     assert cfg["compression"] == "dct"
 
 
+def test_worker_passes_mp_rescale_to_dctdp_mp():
+  from bench import e2e_worker  # pylint: disable=g-import-not-at-top
+  import tf_dct  # pylint: disable=g-import-not-at-top
+  assert set(e2e_link.MP_RESCALES) == set(tf_dct.dct_mp.RESCALES)
+  for flags, config, want in (([], "dctdp_mp", "none"),
+                              (["--mp_rescale=l1"], "dctdp_mp", "l1"),
+                              (["--mp_rescale=l1"], "dctdp", "none")):
+    argv = e2e_link.worker_argv(e2e_link.parse_args(flags), config, "/x")
+    cfg = e2e_worker.launcher_config(e2e_worker.parse_args(argv))
+    assert cfg["mp_rescale"] == want, (flags, config)
+  with pytest.raises(SystemExit):  # argparse names the choices
+    e2e_link.parse_args(["--mp_rescale=l2"])
+
+
 def test_worker_passes_min_count_to_compressing_configs_only():
   from bench import e2e_worker  # pylint: disable=g-import-not-at-top
   for flags, config, want in (([], "dctdp", None),
