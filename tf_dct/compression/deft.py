@@ -271,8 +271,9 @@ class DEFT(Compressor):
     momentum, momentum_masking: momentum correction, as in `DCTDP`.
     adam, adam_second_moment, adam_select, adam_first_moment: Adam
       correction, as in `DCTDP`, but off by default: it trained worse with
-      the "norm" budget, and with "size" better on three of four models but
-      for a quarter to two thirds of the bytes saved (docs/quality.md).
+      the "norm" budget, and with "size" better on three of four models,
+      but its side channel costs a third to three quarters of DEFT's
+      savings (docs/quality.md).
     adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP`.
 
   See the module docstring for the exact conventions.
@@ -366,12 +367,12 @@ class DEFT(Compressor):
                     seconds):
     """Reports one group's collectives to the accounting, per variable.
 
-    The group all-reduces P float32 norms (budget "norm"), the "ef" words of the U union
-    positions and U values (plus every entry densely while warmup is
-    configured). Norms are charged to the variable owning the partition;
-    the union's words and values are split in proportion to variable size
-    (remainder to the last variable), so the per-variable bytes add up to
-    exactly what was all-reduced.
+    The group all-reduces P float32 norms (budget "norm"), the "ef" words
+    of the U union positions and U values (plus every entry densely while
+    warmup is configured). Norms are charged to the variable owning the
+    partition; the union's words and values are split in proportion to
+    variable size (remainder to the last variable), so the per-variable
+    bytes add up to exactly what was all-reduced.
     """
     sizes = [v.shape.num_elements() for v in variables]
     n_g = sum(sizes)
@@ -417,8 +418,9 @@ class DEFT(Compressor):
                      for g, value, v in zip(grads, values, variables)], axis=0)
     pieces = [acc[p.start:p.start + p.size] for p in parts]
     if self.budget == "norm":
-      norms = tf.stack([tf.sqrt(tf.reduce_sum(tf.square(tf.cast(x, tf.float32))))
-                        for x in pieces])
+      norms = tf.stack([
+          tf.sqrt(tf.reduce_sum(tf.square(tf.cast(x, tf.float32))))
+          for x in pieces])
       # Beyond the paper: every replica gets the same norms, hence the same
       # plan.
       norms = ctx.all_reduce(tf.distribute.ReduceOp.SUM, norms)
