@@ -86,7 +86,7 @@ WORKER = os.path.join(REPO_ROOT, "bench", "e2e_worker.py")
 CONFIGS = ("dense", "dctdp", "dctdp_mp", "deft", "topk", "native", "dctdp_fc")
 DEFAULT_CONFIGS = ("native", "dense", "dctdp", "dctdp_mp", "deft", "topk")
 # tf_dct.dct_mp.RESCALES, spelled out: the driver imports no TensorFlow.
-MP_RESCALES = ("none", "l1")
+MP_RESCALES = ("none", "l1", "l1_backward")
 SHAPERS = ("auto", "netem", "tbf")
 NS_PREFIX = "dcte2e_"
 SUBNET = "10.77.0"
@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--mp_sparsity", type=float, default=0.9, help="DCT-MP sparsity in [0, 1)")
   p.add_argument("--mp_rescale", default="none", choices=MP_RESCALES,
                  help="dctdp_mp: DCT-MP's rescale of the kept activations, as the "
-                 "launcher's --mp_rescale (none: Algorithm 2; l1: each row's L1 kept)")
+                 "launcher's --mp_rescale (none: Algorithm 2; l1: each row's L1 kept; "
+                 "l1_backward: the gradient scaled only)")
   p.add_argument("--density", type=float, default=0.01, help="DEFT/TopK density in (0, 1]")
   p.add_argument("--min_count", type=int, default=None,
                  help="entries every compressed variable sends at least, >= 0 "

@@ -297,8 +297,9 @@ flags.DEFINE_enum("mp_warmup", None, ("linear", "dense"),
                   "DCT-MP warm-up shape: linear (sparsity rising from 0 to --mp_sparsity) or "
                   "dense (unmasked). Default linear.")
 flags.DEFINE_enum("mp_rescale", None, tf_dct.dct_mp.RESCALES,
-                  "DCT-MP: l1 scales each row's kept entries to the row's L1 norm (nothing "
-                  "more crosses); none keeps them as they are. Default none.")
+                  "DCT-MP: l1 scales each row's kept entries and their gradient by the row's "
+                  "L1 norm over theirs, l1_backward the gradient only (nothing more crosses); "
+                  "none is Algorithm 2. Default none.")
 flags.DEFINE_string("mp_splits", None,
                     "Comma list of the model's split points to insert a DCTSplit at, 'paper' "
                     "(dlrm: bottom_1,top_1; transformer: encoder_ffn_4) or 'none'. Default: "

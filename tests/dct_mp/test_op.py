@@ -85,8 +85,9 @@ class DctMpTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllClose(theoretical[0], analytic)
     self.assertAllClose(numerical[0], analytic, atol=1e-3)
 
-  @parameterized.parameters(tf.float32, tf.bfloat16, tf.float16)
-  def test_rescale_matches_reference(self, dtype):
+  @parameterized.product(dtype=(tf.float32, tf.bfloat16, tf.float16),
+                         rescale=("l1", "l1_backward"))
+  def test_rescale_matches_reference(self, dtype, rescale):
     shape = (3, 2, 16)
     x_np = reference.distinct(shape, seed=4)  # exact sums in float32
     x = tf.cast(x_np, dtype)
@@ -95,15 +96,21 @@ class DctMpTest(tf.test.TestCase, parameterized.TestCase):
     mask = reference.topk_mask(x_np, 0.75)
     with tf.GradientTape() as tape:
       tape.watch(x)
-      y = ops.dct_mp(x, 0.75, rescale="l1")
+      y = ops.dct_mp(x, 0.75, rescale=rescale)
     self.assertEqual(y.dtype, dtype)
-    self.assertAllEqual(y, reference.rescaled_forward(x.numpy(), mask))
-    self.assertAllEqual(tape.gradient(y, x, output_gradients=tf.constant(dy_np)),
-                        reference.rescaled_backward(dy_np, x.numpy(), mask))
-    # Each row keeps its L1 norm (to rounding).
-    self.assertAllClose(np.abs(y.numpy().astype(np.float64)).sum(-1),
-                        np.abs(x_np.astype(np.float64)).sum(-1),
-                        rtol=1e-2 if dtype != tf.float32 else 1e-6)
+    want_y = (reference.rescaled_forward(x.numpy(), mask) if rescale == "l1"
+              else reference.forward(x.numpy(), mask))  # Algorithm 2's forward
+    self.assertAllEqual(y, want_y)
+    g = tape.gradient(y, x, output_gradients=tf.constant(dy_np))
+    self.assertAllEqual(g, reference.rescaled_backward(dy_np, x.numpy(), mask))
+    # The gradient is larger than the masked one by exactly s_i >= 1 per row.
+    self.assertAllGreaterEqual(np.abs(g.numpy().astype(np.float64)).sum(-1) -
+                               np.abs(reference.backward(dy_np, mask)).astype(
+                                   np.float64).sum(-1), 0)
+    if rescale == "l1":  # each row keeps its L1 norm (to rounding)
+      self.assertAllClose(np.abs(y.numpy().astype(np.float64)).sum(-1),
+                          np.abs(x_np.astype(np.float64)).sum(-1),
+                          rtol=1e-2 if dtype != tf.float32 else 1e-6)
 
   def test_rescale_ties_and_zero_rows(self):
     x = np.array([[1, 3, 3, 3, 0, 3, 0, 0, 2, 1],     # 4 tied at the k-th value
@@ -129,10 +136,20 @@ class DctMpTest(tf.test.TestCase, parameterized.TestCase):
                                       "l1"), [[s], [1], [1]])
     # The warm-up's variable-k form scales the same way.
     self.assertAllEqual(ops.dct_mp_kept(x, tf.constant(3), rescale="l1"), want_y)
+    # "l1_backward": Algorithm 2's forward, the same scaled gradient, in
+    # both forms.
+    for op in (lambda v: ops.dct_mp(v, 0.7, rescale="l1_backward"),
+               lambda v: ops.dct_mp_kept(v, tf.constant(3), rescale="l1_backward")):
+      with tf.GradientTape() as tape:
+        tape.watch(x_t)
+        y = op(x_t)
+      self.assertAllEqual(y, ops.dct_mp(x_t, 0.7))
+      self.assertAllEqual(tape.gradient(y, x_t, output_gradients=tf.constant(dy)), want_g)
 
   @parameterized.parameters("l2", "L1", None, 1)
   def test_bad_rescale(self, rescale):
-    msg = r"rescale must be one of \('none', 'l1'\), got " + repr(rescale)
+    msg = (r"rescale must be one of \('none', 'l1', 'l1_backward'\), got " +
+           repr(rescale))
     with self.assertRaisesRegex(ValueError, "dct_mp: " + msg):
       ops.dct_mp(tf.ones([2, 4]), 0.5, rescale=rescale)
     with self.assertRaisesRegex(ValueError, "dct_mp_kept: " + msg):

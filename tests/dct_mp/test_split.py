@@ -54,6 +54,7 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllEqual(cls(0.75)(x, training=False), masked)  # default: "dct" applies
     self.assertAllEqual(cls(0.75, apply_at_inference=False)(x, training=False), x)
     self.assertAllEqual(cls(0.75, rescale="l1")(x, training=False), ops.dct_mp(x, 0.75, "l1"))
+    self.assertAllEqual(cls(0.75, rescale="l1_backward")(x, training=False), masked)
     self.assertAllEqual(cls(0.75, mode="gaussian_sketch")(x, training=False), x)
     sketched = cls(0.75, mode="gaussian_sketch", apply_at_inference=True)(x)
     self.assertNotAllClose(sketched, x)
@@ -190,10 +191,13 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "not both"):
       cls(0.9, target_device="/cpu:1", target_logical_device=1)
     with self.assertRaisesRegex(
-        ValueError, r"DCTSplit: rescale must be one of \('none', 'l1'\), got 'l2'"):
+        ValueError,
+        r"DCTSplit: rescale must be one of \('none', 'l1', 'l1_backward'\), got 'l2'"):
       cls(0.9, rescale="l2")
     with self.assertRaisesRegex(ValueError, "rescale='l1' needs mode='dct'"):
       cls(0.9, mode="gaussian_sketch", rescale="l1")
+    with self.assertRaisesRegex(ValueError, "rescale='l1_backward' needs mode='dct'"):
+      cls(0.9, mode="xgrad_topk", rescale="l1_backward")
     with self.assertRaisesRegex(ValueError, r"inputs must have rank >= 2"):
       cls(0.9)(tf.ones([8]), training=True)
     with self.assertRaisesRegex(ValueError, r"inputs must have rank >= 2"):
@@ -263,7 +267,8 @@ class DCTSplitTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(layer.bytes_stats()["total_forward_bytes"],
                      4 * 512 * 4 + 4 * (26 * 4 + 8 * 4))
 
-  @parameterized.parameters(("dct", "none"), ("dct", "l1"), ("gaussian_sketch", "none"),
+  @parameterized.parameters(("dct", "none"), ("dct", "l1"), ("dct", "l1_backward"),
+                            ("gaussian_sketch", "none"),
                             ("xgrad_topk", "none"))
   def test_bytes_stats_are_the_bytes_that_cross(self, mode, rescale):
     # d = 512, sparsity 0.95: k = 26; the indices cross bit-packed (8 words).

@@ -52,9 +52,8 @@ class CompactTransferTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllEqual(_bits(eager_y), _bits(y1))
     self.assertAllEqual(_bits(eager_g), _bits(g1))
 
-  @parameterized.parameters(tf.float32, tf.bfloat16)
-  def test_rescale_bit_identical_to_dense_form(self, dtype):
-    rescale = "l1"
+  @parameterized.product(dtype=(tf.float32, tf.bfloat16), rescale=("l1", "l1_backward"))
+  def test_rescale_bit_identical_to_dense_form(self, dtype, rescale):
     rng = np.random.default_rng(1)
     x_np = np.maximum(rng.normal(size=(4, 300)), 0)  # after a ReLU: ties at 0
     x_np[1] = 0.0                                     # a zero row: s = 1
@@ -65,7 +64,12 @@ class CompactTransferTest(tf.test.TestCase, parameterized.TestCase):
     y1, g1 = _forward_and_grad(compact, x, dy)
     self.assertAllEqual(_bits(y0), _bits(y1))
     self.assertAllEqual(_bits(g0), _bits(g1))
-    self.assertNotAllEqual(y0, ops.dct_mp(x, 0.9))  # the rows were scaled
+    _, g_plain = _forward_and_grad(lambda v: ops.dct_mp(v, 0.9), x, dy)
+    self.assertNotAllEqual(g0, g_plain)  # the gradient was scaled
+    if rescale == "l1":
+      self.assertNotAllEqual(y0, ops.dct_mp(x, 0.9))  # the rows were scaled
+    else:
+      self.assertAllEqual(_bits(y0), _bits(ops.dct_mp(x, 0.9)))  # Algorithm 2's
 
   def test_index_types(self):
     self.assertEqual(ops.index_dtype_for(256), tf.uint8)

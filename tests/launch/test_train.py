@@ -535,7 +535,7 @@ class FlagErrorsTest(tf.test.TestCase):
                          compression="threshold", threshold=-1.0)
     self.assertFlagError(r"--mp_sparsity must be in \[0, 1\), got 1.0", mp_sparsity=1.0)
     self.assertFlagError(r"--mp_warmup_steps must be >= 0, got -1", mp_warmup_steps=-1)
-    self.assertFlagError(r"--mp_rescale must be one of none, l1, got 'l2'", mp_rescale="l2")
+    self.assertFlagError(r"--mp_rescale must be one of none, l1, l1_backward, got 'l2'", mp_rescale="l2")
     self.assertFlagError(r"--threshold_life must be >= 1, got 0", threshold_life=0)
     for bad in ("13", "x:0.5", "0:0.5", "5:1.0", "5:0"):
       self.assertFlagError(r"--sparsity_schedule: each item must be steps:sparsity with "

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from tf_dct import validation
 from tf_dct.dct_mp.rescale import check_rescale
+from tf_dct.dct_mp.rescale import forward_scale
 from tf_dct.dct_mp.rescale import row_scale
 from tf_dct.dct_mp.rescale import scaled
 
@@ -116,12 +117,13 @@ def dct_mp(x, sparsity: float, rescale: str = "none") -> tf.Tensor:
   Args:
     x: float tensor [..., d] of rank >= 2 (float16, bfloat16, float32, float64).
     sparsity: eta in [0, 1), the fraction of each row dropped.
-    rescale: "none", or "l1" to multiply each row's kept entries by the row's
-      L1 norm over theirs (`tf_dct.dct_mp.rescale`).
+    rescale: "none"; "l1" to multiply each row's kept entries, and their
+      gradient, by the row's L1 norm over theirs; "l1_backward" for the
+      gradient only (`tf_dct.dct_mp.rescale`).
 
   Returns:
-    X ⊙ M (times s_i per row with a rescale). The gradient is dY ⊙ M with the
-    same M (Algorithm 2 lines 12-14), times the same s_i.
+    X ⊙ M (times s_i per row with "l1"). The gradient is dY ⊙ M with the
+    same M (Algorithm 2 lines 12-14), times s_i with either rescale.
 
   Example:
     With d = 4 and sparsity 0.5, the 2 largest |x| of each row stay:
@@ -147,7 +149,8 @@ def dct_mp(x, sparsity: float, rescale: str = "none") -> tf.Tensor:
     mask = mask_from_indices(indices, d)
     s = (row_scale(x2, tf.gather(x2, indices, batch_dims=1), rescale)
          if rescale != "none" else None)
-    y = tf.where(mask, scaled(x2, s), tf.zeros_like(x2))  # line 10
+    y = tf.where(mask, scaled(x2, forward_scale(s, rescale)),
+                 tf.zeros_like(x2))  # line 10
 
     def grad(dy):
       dy2 = tf.reshape(dy, [-1, d])
@@ -232,7 +235,7 @@ def dct_mp_kept(x, k, rescale: str = "none") -> tf.Tensor:
     mask = dynamic_mask(x2, k)
     s = (row_scale(x2, tf.where(mask, x2, tf.zeros_like(x2)), rescale)
          if rescale != "none" else None)
-    y = tf.where(mask, scaled(x2, s), tf.zeros_like(x2))
+    y = tf.where(mask, scaled(x2, forward_scale(s, rescale)), tf.zeros_like(x2))
 
     def grad(dy):
       dy2 = tf.reshape(dy, [-1, d])

@@ -1,4 +1,4 @@
-"""Mass-preserving rescale of the entries DCT-MP keeps (an option of DCT Algorithm 2).
+"""Mass-preserving rescales of DCT-MP's split (options of DCT Algorithm 2).
 
 DCT-MP (Algorithm 2 line 10) sends X ⊙ M: with 90% of a ReLU row dropped,
 the row that reaches the layers after the split keeps only part of its
@@ -18,6 +18,13 @@ Algorithm 2's mask and Appendix B's per-step thresholds are: the gradient is s_i
 values per row; the sender, which kept s_i, applies it after the compact
 gradient arrives.
 
+rescale="l1_backward" applies s_i to the gradient only: the forward is
+Algorithm 2's X ⊙ M and the gradient that goes back is s_i · (dY_i ⊙ M_i).
+The mask passes the gradient of k of the d entries, so under plain SGD the
+layers before the split learn from a fraction of the gradient they would
+get dense; the factor restores its L1 scale (not the dropped entries'
+directions). Under Adam a per-row factor mostly cancels in the normaliser.
+
 The sums are taken in float32 (float64 for float64 inputs), over the k
 kept values in `tf.math.top_k`'s order, so the masked op and the compact
 transfer get the same s_i bit for bit.
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-RESCALES = ("none", "l1")
+RESCALES = ("none", "l1", "l1_backward")
 
 
 def check_rescale(rescale, caller: str = "dct_mp") -> str:
@@ -45,7 +52,7 @@ def row_scale(x2: tf.Tensor, kept: tf.Tensor, rescale: str) -> tf.Tensor | None:
     x2: the activation rows [N, d].
     kept: the kept values of each row: [N, k] (`compact`'s values), or
       [N, d] with the dropped entries 0.
-    rescale: "none" or "l1".
+    rescale: one of `RESCALES`.
   """
   if rescale == "none":
     return None
@@ -54,6 +61,11 @@ def row_scale(x2: tf.Tensor, kept: tf.Tensor, rescale: str) -> tf.Tensor | None:
   part = tf.reduce_sum(tf.abs(tf.cast(kept, wide)), axis=-1, keepdims=True)
   s = tf.where(part > 0, full / tf.where(part > 0, part, 1), 1)
   return tf.cast(s, x2.dtype)
+
+
+def forward_scale(s: tf.Tensor | None, rescale: str) -> tf.Tensor | None:
+  """The factor the forward values get: s for "l1", None otherwise."""
+  return s if rescale == "l1" else None
 
 
 def scaled(v: tf.Tensor, s: tf.Tensor | None) -> tf.Tensor:

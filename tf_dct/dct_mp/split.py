@@ -11,7 +11,8 @@ By default "dct" also masks at inference: the layers after the split were
 trained on rows with k non-zeros, and a dense row would shift their input.
 With `warmup_steps` the first training calls keep more entries per row (the
 count is layer state, so a restored model resumes the schedule). With
-rescale="l1" the kept entries of a row are scaled to the row's L1 norm
+rescale="l1" the kept entries of a row and their gradient are scaled by the
+row's L1 norm over theirs, with "l1_backward" the gradient only
 (`tf_dct.dct_mp.rescale`; nothing more crosses). With
 `target_device` or `target_logical_device` only the compressed form crosses
 to that device; outside a tf_dct replica the layer runs the same mask in
@@ -86,8 +87,9 @@ class SplitCore:
       only); see the module docstring.
     warmup: "linear" (sparsity rising from 0) or "dense" (unmasked) during
       the warm-up.
-    rescale: "none", or "l1" to scale each row's kept entries to the row's L1
-      norm ("dct" only; `tf_dct.dct_mp.rescale`).
+    rescale: "none"; "l1" to scale each row's kept entries (and their
+      gradient) to the row's L1 norm; "l1_backward" to scale the gradient
+      only ("dct" only; `tf_dct.dct_mp.rescale`).
     name: the layer's name; its summary scalars are `tf_dct_mp/<name>/...`.
   """
 

@@ -38,6 +38,7 @@ from tf_dct.dct_mp.index_wire import decode_indices
 from tf_dct.dct_mp.index_wire import encode_indices
 from tf_dct.dct_mp.index_wire import index_bytes_per_row
 from tf_dct.dct_mp.rescale import check_rescale
+from tf_dct.dct_mp.rescale import forward_scale
 from tf_dct.dct_mp.rescale import row_scale
 from tf_dct.dct_mp.rescale import scaled
 
@@ -149,9 +150,9 @@ def dct_mp_transfer(x, sparsity: float, target_device: DeviceLike,
       None (no device scope).
     source_device: where the selection and the backward densify run;
       default: the enclosing device scope.
-    rescale: "none" or "l1" (`tf_dct.dct_mp.rescale`): the source
-      scales the kept values before they cross and the compact gradient
-      after it arrives, so nothing more crosses.
+    rescale: "none", "l1" or "l1_backward" (`tf_dct.dct_mp.rescale`): the
+      source scales the kept values before they cross ("l1") and the compact
+      gradient after it arrives (both), so nothing more crosses.
 
   Returns:
     X ⊙ M on the target device, the same values as
@@ -177,7 +178,7 @@ def dct_mp_transfer(x, sparsity: float, target_device: DeviceLike,
       with device_scope(source or None):  # the compact gradient arrives here
         return tf.reshape(densify(scaled(d_values, s), indices, d), shape)
 
-    return (scaled(values, s), wire_indices), grad
+    return (scaled(values, forward_scale(s, rescale)), wire_indices), grad
 
   @tf.custom_gradient
   def decode(values, wire_indices):
