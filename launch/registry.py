@@ -43,7 +43,7 @@ COMMON_DEFAULTS = {
     "optimizer": "adam",
     "sparsity": 0.99, "threshold_life": 1000, "density": 0.01,
     "threshold": 1e-3, "mp_sparsity": 0.9, "mp_warmup_steps": 0, "mp_warmup": "linear",
-    "mp_rescale": "none",
+    "mp_rescale": "auto",
     "adam_residual_decay": 1.0,
 }
 # --config=local for every model: a smoke run (models add tiny dimensions).

@@ -296,10 +296,12 @@ flags.DEFINE_integer("mp_warmup_steps", None,
 flags.DEFINE_enum("mp_warmup", None, ("linear", "dense"),
                   "DCT-MP warm-up shape: linear (sparsity rising from 0 to --mp_sparsity) or "
                   "dense (unmasked). Default linear.")
-flags.DEFINE_enum("mp_rescale", None, tf_dct.dct_mp.RESCALES,
+MP_RESCALES = (*tf_dct.dct_mp.RESCALES, "auto")
+flags.DEFINE_enum("mp_rescale", None, MP_RESCALES,
                   "DCT-MP: l1 scales each row's kept entries and their gradient by the row's "
                   "L1 norm over theirs, l1_backward the gradient only (nothing more crosses); "
-                  "none is Algorithm 2. Default none.")
+                  "none is Algorithm 2. Default auto: l1_backward with --optimizer=sgd or "
+                  "momentum, none otherwise.")
 flags.DEFINE_string("mp_splits", None,
                     "Comma list of the model's split points to insert a DCTSplit at, 'paper' "
                     "(dlrm: bottom_1,top_1; transformer: encoder_ffn_4) or 'none'. Default: "
@@ -653,9 +655,14 @@ def validate(cfg: dict) -> None:
     _in_range(cfg, "mp_sparsity", 0, 1, False, True)
     if cfg["mp_warmup_steps"] is None or cfg["mp_warmup_steps"] < 0:
       raise FlagError(f"--mp_warmup_steps must be >= 0, got {cfg['mp_warmup_steps']}")
-    if cfg["mp_rescale"] not in tf_dct.dct_mp.RESCALES:
-      raise FlagError(f"--mp_rescale must be one of {', '.join(tf_dct.dct_mp.RESCALES)}, got "
+    if cfg["mp_rescale"] not in MP_RESCALES:
+      raise FlagError(f"--mp_rescale must be one of {', '.join(MP_RESCALES)}, got "
                       f"{cfg['mp_rescale']!r}")
+  if cfg["mp_rescale"] == "auto":
+    # Under (momentum) SGD the split's masked gradient slows the layers before
+    # it over a long run; Adam and Adagrad normalise a row's scale away.
+    cfg["mp_rescale"] = ("l1_backward" if cfg["optimizer"] in ("sgd", "momentum")
+                         else "none")
   kind = cfg["replicator"]
   if kind in ("multi_worker", "tpu"):
     for name in ("num_replicas", "num_devices_per_replica"):

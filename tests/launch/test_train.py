@@ -497,6 +497,16 @@ class CompressionExcludeTest(tf.test.TestCase):
                                 r"--compression=deft; this run has --compression=topk$"):
       _cfg(model="mlp", compression="topk", deft_budget="norm")
 
+  def test_mp_rescale_auto_scales_the_gradient_under_sgd(self):
+    for optimizer, want in (("sgd", "l1_backward"), ("momentum", "l1_backward"),
+                            ("adam", "none"), ("adamw", "none"), ("adagrad", "none")):
+      self.assertEqual(_cfg(model="dlrm", optimizer=optimizer)["mp_rescale"], want, optimizer)
+    # Given explicitly, any value stands.
+    self.assertEqual(_cfg(model="dlrm", optimizer="sgd", mp_rescale="none")["mp_rescale"],
+                     "none")
+    self.assertEqual(_cfg(model="dlrm", optimizer="adam", mp_rescale="l1_backward")[
+        "mp_rescale"], "l1_backward")
+
   def test_adam_residual_decay_reaches_dct_under_adam_correction(self):
     # dlrm's default decays DCT-DP's residuals by 0.9 under Adam correction;
     # the other models keep Algorithm 1's residual (1).
@@ -535,7 +545,7 @@ class FlagErrorsTest(tf.test.TestCase):
                          compression="threshold", threshold=-1.0)
     self.assertFlagError(r"--mp_sparsity must be in \[0, 1\), got 1.0", mp_sparsity=1.0)
     self.assertFlagError(r"--mp_warmup_steps must be >= 0, got -1", mp_warmup_steps=-1)
-    self.assertFlagError(r"--mp_rescale must be one of none, l1, l1_backward, got 'l2'", mp_rescale="l2")
+    self.assertFlagError(r"--mp_rescale must be one of none, l1, l1_backward, auto, got 'l2'", mp_rescale="l2")
     self.assertFlagError(r"--threshold_life must be >= 1, got 0", threshold_life=0)
     for bad in ("13", "x:0.5", "0:0.5", "5:1.0", "5:0"):
       self.assertFlagError(r"--sparsity_schedule: each item must be steps:sparsity with "

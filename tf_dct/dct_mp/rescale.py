@@ -18,12 +18,9 @@ Algorithm 2's mask and Appendix B's per-step thresholds are: the gradient is s_i
 values per row; the sender, which kept s_i, applies it after the compact
 gradient arrives.
 
-rescale="l1_backward" applies s_i to the gradient only: the forward is
-Algorithm 2's X ⊙ M and the gradient that goes back is s_i · (dY_i ⊙ M_i).
-The mask passes the gradient of k of the d entries, so under plain SGD the
-layers before the split learn from a fraction of the gradient they would
-get dense; the factor restores its L1 scale (not the dropped entries'
-directions). Under Adam a per-row factor mostly cancels in the normaliser.
+rescale="l1_backward" scales the gradient only (forward X ⊙ M, gradient
+s_i · (dY_i ⊙ M_i)): under SGD the layers before the split otherwise learn
+from the gradient of k of d entries; docs/dct_mp.md has the measurements.
 
 The sums are taken in float32 (float64 for float64 inputs), over the k
 kept values in `tf.math.top_k`'s order, so the masked op and the compact
