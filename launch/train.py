@@ -300,8 +300,8 @@ MP_RESCALES = (*tf_dct.dct_mp.RESCALES, "auto")
 flags.DEFINE_enum("mp_rescale", None, MP_RESCALES,
                   "DCT-MP: l1 scales each row's kept entries and their gradient by the row's "
                   "L1 norm over theirs, l1_backward the gradient only (nothing more crosses); "
-                  "none is Algorithm 2. Default auto: l1_backward with --optimizer=sgd or "
-                  "momentum, none otherwise.")
+                  "none is Algorithm 2. Default auto: l1_backward with --optimizer=sgd, "
+                  "momentum or adagrad, none with adam and adamw.")
 flags.DEFINE_string("mp_splits", None,
                     "Comma list of the model's split points to insert a DCTSplit at, 'paper' "
                     "(dlrm: bottom_1,top_1; transformer: encoder_ffn_4) or 'none'. Default: "
@@ -659,10 +659,9 @@ def validate(cfg: dict) -> None:
       raise FlagError(f"--mp_rescale must be one of {', '.join(MP_RESCALES)}, got "
                       f"{cfg['mp_rescale']!r}")
   if cfg["mp_rescale"] == "auto":
-    # Under (momentum) SGD the split's masked gradient slows the layers before
-    # it over a long run; Adam and Adagrad normalise a row's scale away.
-    cfg["mp_rescale"] = ("l1_backward" if cfg["optimizer"] in ("sgd", "momentum")
-                         else "none")
+    # The split's masked gradient slows the layers before it over a long run
+    # under SGD, momentum and Adagrad; Adam's normaliser hides it.
+    cfg["mp_rescale"] = "none" if cfg["optimizer"] in ("adam", "adamw") else "l1_backward"
   kind = cfg["replicator"]
   if kind in ("multi_worker", "tpu"):
     for name in ("num_replicas", "num_devices_per_replica"):

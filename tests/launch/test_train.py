@@ -497,9 +497,9 @@ class CompressionExcludeTest(tf.test.TestCase):
                                 r"--compression=deft; this run has --compression=topk$"):
       _cfg(model="mlp", compression="topk", deft_budget="norm")
 
-  def test_mp_rescale_auto_scales_the_gradient_under_sgd(self):
+  def test_mp_rescale_auto_scales_the_gradient_but_under_adam(self):
     for optimizer, want in (("sgd", "l1_backward"), ("momentum", "l1_backward"),
-                            ("adam", "none"), ("adamw", "none"), ("adagrad", "none")):
+                            ("adagrad", "l1_backward"), ("adam", "none"), ("adamw", "none")):
       self.assertEqual(_cfg(model="dlrm", optimizer=optimizer)["mp_rescale"], want, optimizer)
     # Given explicitly, any value stands.
     self.assertEqual(_cfg(model="dlrm", optimizer="sgd", mp_rescale="none")["mp_rescale"],
