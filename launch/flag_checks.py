@@ -11,6 +11,9 @@ from absl import app
 
 # The launcher's --optimizer values (launch/train.py builds them).
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
+# The Adam family among them: Adam correction, residual decay and DCT-MP's
+# rescale default depend on it.
+ADAM_OPTIMIZERS = ("adam", "adamw")
 
 
 class FlagError(app.UsageError, ValueError):

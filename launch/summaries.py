@@ -25,6 +25,7 @@ import os
 from absl import logging
 import tensorflow as tf
 
+from launch.flag_checks import ADAM_OPTIMIZERS
 from tf_dct.compression.accounting import write_scalar
 from tf_dct.dct_mp.split import SUMMARY_GROUP as MP_GROUP
 
@@ -97,7 +98,7 @@ def hparams(cfg: dict, num_replicas: int, *, sparsifier: bool,
       out["min_count"] = cfg["min_count"]
     if cfg["optimizer"] == "momentum":
       out["momentum_correction"] = bool(cfg.get("momentum_correction", True))
-    if cfg["optimizer"] in ("adam", "adamw"):
+    if cfg["optimizer"] in ADAM_OPTIMIZERS:
       out["adam_correction"] = adam_correction
       if adam_correction:
         out["adam_second_moment"] = cfg.get("adam_second_moment", "factored")

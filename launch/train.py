@@ -163,6 +163,7 @@ with (without_stderr_lines(IMPORT_NOISE) if _QUIET_IMPORT else contextlib.nullco
   from tf_dct.keras import placement
   from launch import configs
   from launch import registry
+  from launch.flag_checks import ADAM_OPTIMIZERS
   from launch.flag_checks import check_range
   from launch.flag_checks import FlagError
   from launch.flag_checks import parse_schedule
@@ -602,7 +603,7 @@ def validate(cfg: dict) -> None:
                     f"--compression={'/'.join(SPARSIFIERS)}; this run has "
                     f"--optimizer={cfg['optimizer']} --compression={comp}")
   if "adam_correction" in cfg.get("explicit", ()) and not (
-      cfg["optimizer"] in ("adam", "adamw") and comp in SPARSIFIERS):
+      cfg["optimizer"] in ADAM_OPTIMIZERS and comp in SPARSIFIERS):
     raise FlagError("--adam_correction applies to --optimizer=adam/adamw with "
                     f"--compression={'/'.join(SPARSIFIERS)}; this run has "
                     f"--optimizer={cfg['optimizer']} --compression={comp}")
@@ -661,7 +662,7 @@ def validate(cfg: dict) -> None:
   if cfg["mp_rescale"] == "auto":
     # The split's masked gradient slows the layers before it over a long run
     # under SGD, momentum and Adagrad; Adam's normaliser hides it.
-    cfg["mp_rescale"] = "none" if cfg["optimizer"] in ("adam", "adamw") else "l1_backward"
+    cfg["mp_rescale"] = "none" if cfg["optimizer"] in ADAM_OPTIMIZERS else "l1_backward"
   kind = cfg["replicator"]
   if kind in ("multi_worker", "tpu"):
     for name in ("num_replicas", "num_devices_per_replica"):
@@ -723,7 +724,7 @@ def make_compressor(cfg: dict, cls: type | None = None):
       # plain SGD; variables left dense (excluded, below --min_size) keep the
       # optimizer's momentum.
       common["momentum"] = MOMENTUM if cfg.get("momentum_correction", True) else 0.0
-    if cfg["optimizer"] in ("adam", "adamw"):
+    if cfg["optimizer"] in ADAM_OPTIMIZERS:
       # None: the compressor takes Adam's hyper-parameters from the optimizer.
       common["adam"] = None if adam_correction(cfg) else False
       if adam_correction(cfg):
@@ -761,7 +762,7 @@ def make_optimizer(cfg: dict):
 def adam_correction(cfg: dict) -> bool:
   """Whether the compressor runs Adam itself: --adam_correction if given, else
   the compressors' default (on for dct and topk, off for deft)."""
-  if cfg["optimizer"] not in ("adam", "adamw") or cfg["compression"] not in SPARSIFIERS:
+  if cfg["optimizer"] not in ADAM_OPTIMIZERS or cfg["compression"] not in SPARSIFIERS:
     return False
   if "adam_correction" in cfg.get("explicit", ()):
     return bool(cfg["adam_correction"])
@@ -1422,7 +1423,7 @@ def print_table(s: dict, cfg: dict) -> None:
     if cfg["optimizer"] == "momentum":
       options.append("momentum correction" if cfg.get("momentum_correction", True)
                      else "no momentum correction")
-    if cfg["optimizer"] in ("adam", "adamw"):
+    if cfg["optimizer"] in ADAM_OPTIMIZERS:
       options.append("Adam correction" if s.get("adam_correction")
                      else "no Adam correction")
       if s.get("adam_correction") and cfg.get("adam_second_moment", "factored") != "factored":

@@ -103,7 +103,7 @@ class DctMpTest(tf.test.TestCase, parameterized.TestCase):
     self.assertAllEqual(y, want_y)
     g = tape.gradient(y, x, output_gradients=tf.constant(dy_np))
     self.assertAllEqual(g, reference.rescaled_backward(dy_np, x.numpy(), mask))
-    # The gradient is larger than the masked one by exactly s_i >= 1 per row.
+    # s_i >= 1: no row of the gradient is smaller than the masked one's.
     self.assertAllGreaterEqual(np.abs(g.numpy().astype(np.float64)).sum(-1) -
                                np.abs(reference.backward(dy_np, mask)).astype(
                                    np.float64).sum(-1), 0)
