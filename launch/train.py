@@ -252,10 +252,8 @@ flags.DEFINE_boolean("adam_correction", True,
                      "With --optimizer=adam/adamw and --compression=dct/deft/topk: the "
                      "compressor runs Adam itself, its second moment fed every step by a small "
                      "dense side channel and its selection made on Adam-scaled gradients; the "
-                     "compressed variables are updated as plain SGD. Default: on for dct and "
-                     "topk, off for deft (its side channel costs DEFT a third to three "
-                     "quarters of its savings); false: the optimizer's Adam acts on the "
-                     "compressed aggregate.")
+                     "compressed variables are updated as plain SGD. Default: on; false: the "
+                     "optimizer's Adam acts on the compressed aggregate.")
 flags.DEFINE_float("adam_residual_decay", None,
                    "With --compression=dct under Adam correction: the factor DCT-DP's "
                    "residuals are multiplied by after each step, in (0, 1]. 1 keeps every "
@@ -288,8 +286,8 @@ flags.DEFINE_enum("value_dtype", "auto", ("auto", "float32", "bfloat16"),
 flags.DEFINE_enum("dense_gradients", "auto", ("auto", "compress"),
                   "Dense gradients: auto all-reduces a variable whole (keeping the "
                   "compressor's momentum or Adam correction) where that moves no more bytes "
-                  "than compressing it (biases, small layers); compress compresses every "
-                  "variable.")
+                  "than compressing it (biases, small layers), and with deft every variable "
+                  "of fewer than 2048 entries; compress compresses every variable.")
 flags.DEFINE_float("mp_sparsity", None, "DCT-MP sparsity in [0, 1) at --mp_splits. Default 0.9.")
 flags.DEFINE_integer("mp_warmup_steps", None,
                      "DCT-MP warm-up: training steps before the splits reach --mp_sparsity "
@@ -761,12 +759,10 @@ def make_optimizer(cfg: dict):
 
 def adam_correction(cfg: dict) -> bool:
   """Whether the compressor runs Adam itself: --adam_correction if given, else
-  the compressors' default (on for dct and topk, off for deft)."""
+  the compressors' default (on)."""
   if cfg["optimizer"] not in ADAM_OPTIMIZERS or cfg["compression"] not in SPARSIFIERS:
     return False
-  if "adam_correction" in cfg.get("explicit", ()):
-    return bool(cfg["adam_correction"])
-  return cfg["compression"] in ("dct", "topk")
+  return bool(cfg.get("adam_correction", True))
 
 
 # --- the settings a checkpoint was made with ------------------------------------

@@ -47,7 +47,7 @@ def gradients(replicas: int, seed: int):
 def run(n: int) -> dict:
   """DEFT on an n-replica replicator (the shared harness), traced without
   autograph as under `wrap_optimizer` (a third less tracing on 8 replicas)."""
-  compressor = DEFT(density=DENSITY)
+  compressor = DEFT(density=DENSITY, whole_below=0)  # the small layers compressed too
   harness.run(compressor, gradients(n, seed=n), n, shapes=SHAPES,
               autograph=False)
   stats = compressor.communication_stats()

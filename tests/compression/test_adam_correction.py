@@ -340,9 +340,9 @@ class KerasTest(correction.KerasRun, parameterized.TestCase):
       model, _, _ = self._setup(comp, make())  # build creates the state
       self.assertEqual(on, all("adam_m" in comp.state_for(v)
                                for v in model.trainable_variables))
-    # TopK defaults to the same (docs/quality.md): on under Adam, each
-    # replica keeping Adam's first moment; off under momentum SGD.
-    for make_comp in (lambda: TopK(0.1),):
+    # TopK and DEFT default to the same (docs/quality.md): on under Adam,
+    # each replica keeping Adam's first moment; off under momentum SGD.
+    for make_comp in (lambda: TopK(0.1), lambda: DEFT(0.1)):
       for make, on in ((lambda: tf_keras.optimizers.Adam(1e-3), True),
                        (lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9),
                         False)):
@@ -353,7 +353,8 @@ class KerasTest(correction.KerasRun, parameterized.TestCase):
         self.assertEqual(on, comp.corrects_adam)
         if on:
           self.assertEqual(comp.adam_first_moment, "replica")
-    for comp in (DCTDP(adam=False), TopK(0.1, adam=False), DEFT()):
+    for comp in (DCTDP(adam=False), TopK(0.1, adam=False),
+                 DEFT(0.1, adam=False)):
       model, _, _ = self._setup(comp, tf_keras.optimizers.Adam())
       self.assertFalse(any(comp.corrects_optimizer(v)
                            for v in model.trainable_variables))

@@ -10,6 +10,7 @@ import tf_keras
 import tf_dct
 from tf_dct import compression
 from tf_dct.compression import accounting
+from tf_dct.compression import deft
 from tf_dct.compression import sparse_wire
 from tests import util
 from tests.compression import test_sparse_wire
@@ -526,6 +527,25 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     for v in (bias, kernel):
       for key, value in compressor.state_values(v).items():
         self.assertAllEqual(value, before[v.name][key], msg=f"{v.name} {key}")
+
+  def test_deft_sends_whole_below_whole_below(self):
+    # DEFT's exchange is cheap for any size, so by bytes alone ("auto" with
+    # whole_below=0) the bias is compressed; below `whole_below` it is sent
+    # whole (its exact sum), the kernel (32 entries) still compressed.
+    for whole_below, whole in ((16, True), (0, False)):
+      compressor = compression.DEFT(density=0.25, min_count=1,
+                                    whole_below=whole_below)
+      out, exact, variables = _dense_run(compressor)
+      bias, kernel = variables["bias"], variables["kernel"]
+      self.assertEqual(compressor.sends_whole(bias), whole)
+      self.assertFalse(compressor.sends_whole(kernel))
+      self.assertFalse(compressor.sends_as_is(bias))
+      for t in range(2):
+        self.assertEqual(np.allclose(out[t][0][0], exact[t][0], atol=1e-6),
+                         whole, msg=f"whole_below={whole_below} step {t}")
+        self.assertNotAllClose(out[t][0][1], exact[t][1])
+    self.assertEqual(compression.DEFT().whole_below, deft.WHOLE_BELOW)
+    self.assertEqual(deft.WHOLE_BELOW, 2048)
 
   def test_compress_always_compresses(self):
     compressor = compression.DCTDP(sparsity=0.99, min_count=8,

@@ -361,6 +361,21 @@ class AccountingTest(tf.test.TestCase, parameterized.TestCase):
     self.assertLessEqual(max(stats["last"]["density"]), cap / n_g)
     self.assertGreater(min(stats["last"]["density"]), 0.0)
 
+  def test_variables_below_min_size_are_charged_as_all_reduced(self):
+    replicas = 4
+    compressor = DEFT(density=DENSITY, min_size=25)  # the (24,) bias is dense
+    harness.run(compressor, _gradients(2, replicas, seed=4), replicas,
+                shapes=SHAPES)
+    stats = compressor.communication_stats()
+    bias = stats["variables"]["w2"]
+    self.assertEqual(bias["size"], 24)
+    self.assertEqual(bias["last"]["payload_bytes"], [4 * 24] * replicas)
+    ring = 2 * (replicas - 1) / replicas
+    self.assertAllClose(bias["last"]["dense_bytes"], [ring * 4 * 24] * replicas)
+    # The whole step's dense reference covers every variable.
+    n = sum(int(np.prod(shape)) for shape in SHAPES)
+    self.assertAllClose(stats["last"]["dense_bytes"], [ring * 4 * n] * replicas)
+
 
 class ConservationTest(tf.test.TestCase):
   """SGD(lr=1): w0 - w_T + sum_r E_T == sum_t sum_r g_t (nothing is lost)."""
@@ -391,6 +406,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("min_size_float", {"min_size": 1.5}, "min_size"),
       ("warmup_negative", {"warmup_steps": -2}, "warmup_steps must be an int >= 0"),
       ("warmup_none", {"warmup_steps": None}, "warmup_steps"),
+      ("whole_below_negative", {"whole_below": -1},
+       "whole_below must be an int >= 0"),
+      ("whole_below_float", {"whole_below": 2048.0}, "whole_below"),
       ("budget_unknown", {"budget": "l2"},
        "budget must be one of \\('norm', 'size'\\), got 'l2'"),
   )

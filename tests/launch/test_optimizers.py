@@ -169,9 +169,9 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
     base = dict(model="mlp", config="local", compression=compression)
     for optimizer in ("adam", "adamw"):
       # The compressor's default: None (wrap_optimizer turns it on with the
-      # optimizer's betas) for dct and topk, False for deft.
+      # optimizer's betas).
       comp = train.make_compressor(_cfg(optimizer=optimizer, **base))
-      self.assertIs(comp.adam, False if compression == "deft" else None)
+      self.assertIsNone(comp.adam)
       comp = train.make_compressor(_cfg(optimizer=optimizer, adam_correction=False,
                                         **base))
       self.assertIs(comp.adam, False)

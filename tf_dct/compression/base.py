@@ -205,6 +205,10 @@ class Compressor(tf.Module):
       kept (`sends_whole`). "compress": always by the compressor.
   """
 
+  # `dense_gradients="auto"` also sends whole every variable with fewer
+  # entries than this, whatever the bytes (0: by bytes alone; `DEFT` sets it).
+  whole_below: int = 0
+
   # Whether `reduce_as_is` sums each replica's duplicate rows of a
   # `tf.IndexedSlices` gradient before the all-gather (fewer bytes, the same
   # aggregate). `Dense` does not: it sends exactly what stock TF sends.
@@ -948,7 +952,8 @@ class Compressor(tf.Module):
     if (isinstance(grad, tf.IndexedSlices) or self.dense_gradients == "compress"
         or not state):
       return False
-    return self.dense_is_cheaper(variable, _replicas_priced())
+    return (self._tf_variable(variable).shape.num_elements() < self.whole_below
+            or self.dense_is_cheaper(variable, _replicas_priced()))
 
   def dense_is_cheaper(self, variable, num_replicas: int) -> bool:
     """Whether all-reducing `variable`'s dense gradient moves no more bytes

@@ -42,6 +42,10 @@ _check = functools.partial(validation.check_number, "DEFT")
 # "size" (the same density everywhere, `size_k`).
 BUDGETS = ("norm", "size")
 
+# `DEFT(whole_below=...)`'s default: variables of fewer entries (biases,
+# small layers: a few KiB each) are sent whole.
+WHOLE_BELOW = 2048
+
 # Mitchell log2 in fixed point: float32 bits minus the exponent bias.
 LOG2_ONE = 1 << 23
 _FLOAT32_BIAS = 127 << 23
@@ -265,15 +269,19 @@ class DEFT(Compressor):
       `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
       them as TF does where that moves fewer bytes (`Compressor`).
     dense_gradients: "auto" (default) or "compress": "auto" sends a
-      variable with a dense gradient whole (one all-reduce) where that
-      moves no more bytes than compressing it (a bias, a small layer;
-      `Compressor`).
+      variable with a dense gradient whole (one all-reduce of its
+      accumulator, keeping momentum or Adam correction) where that moves no
+      more bytes than compressing it, and every variable with fewer than
+      `whole_below` entries (`Compressor`).
+    whole_below: an int >= 0 (default `WHOLE_BELOW`; 0: by bytes alone).
+      DEFT's union gives a small variable its floor of `min_count` entries
+      a step in all, where TopK's gives it up to n * min_count: a bias then
+      trails far behind, most under Adam (docs/quality.md).
     momentum, momentum_masking: momentum correction, as in `DCTDP`.
     adam, adam_second_moment, adam_select, adam_first_moment: Adam
-      correction, as in `DCTDP`, but off by default: it trained worse with
-      the "norm" budget, and with "size" better on three of four models,
-      but its side channel costs a third to three quarters of DEFT's
-      savings (docs/quality.md).
+      correction, as in `DCTDP` (None, the default: on with an Adam or AdamW
+      optimizer without amsgrad; False: off). Its side channel costs bytes
+      (docs/quality.md).
     adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP`.
 
   See the module docstring for the exact conventions.
@@ -283,16 +291,19 @@ class DEFT(Compressor):
                warmup_steps: int = 0, name: str | None = None,
                exclude: Sequence[str] = (), min_count: int = 8,
                momentum: float | None = None, momentum_masking: bool = False,
-               adam: bool | None = False, adam_second_moment: str = "factored",
+               adam: bool | None = None, adam_second_moment: str = "factored",
                adam_select: str = "normalized",
                adam_first_moment: str = "replica",
                adagrad: bool | None = False,
                adagrad_accumulator: str = "factored",
                sparse_gradients: str = "auto",
-               dense_gradients: str = "auto", budget: str = "size"):
+               dense_gradients: str = "auto", budget: str = "size",
+               whole_below: int = WHOLE_BELOW):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
+    self.whole_below = int(_check("whole_below", whole_below, numbers.Integral,
+                                  0, False))
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     if budget not in BUDGETS:
@@ -340,6 +351,8 @@ class DEFT(Compressor):
     # min_size, or empty) go to a plain dense SUM.
     checked, values, dense_items = error_feedback.checked_reads(
         "DEFT", grads, variables, states, ("residual", "scalars"))
+    for i, _ in dense_items:  # all-reduced as they are: N entries each
+      self.record_dense(variables[i])
     results = [None] * len(grads)
     groups = {}       # dtype -> positions of its compressed variables
     writes = []
