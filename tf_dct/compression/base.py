@@ -201,8 +201,10 @@ class Compressor(tf.Module):
       entries. The break-even size grows with the number of replicas (an
       all-gather's bytes do, an all-reduce's do not). The variable keeps
       the compressor's momentum, Adam or Adagrad correction, so it is
-      updated by the same rule as the compressed ones. Decided at its first gradient and
-      kept (`sends_whole`). "compress": always by the compressor.
+      updated by the same rule as the compressed ones. A compressor whose
+      `whole_below` is above 0 (`DEFT`) also sends whole every variable with
+      fewer entries. Decided at its first gradient and kept (`sends_whole`).
+      "compress": always by the compressor.
   """
 
   # `dense_gradients="auto"` also sends whole every variable with fewer
