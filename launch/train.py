@@ -255,10 +255,11 @@ flags.DEFINE_boolean("adam_correction", True,
                      "compressed variables are updated as plain SGD. Default: on; false: the "
                      "optimizer's Adam acts on the compressed aggregate.")
 flags.DEFINE_float("adam_residual_decay", None,
-                   "With --compression=dct under Adam correction: the factor DCT-DP's "
-                   "residuals are multiplied by after each step, in (0, 1]. 1 keeps every "
-                   "held-back entry (Algorithm 1); below 1 a held-back entry's pile of first "
-                   "moments fades instead of landing late as one jump. Default 1 (dlrm 0.9).")
+                   "With --compression=dct/deft/topk under Adam correction: the factor the "
+                   "compressor's residuals are multiplied by after each step, in (0, 1]. 1 "
+                   "keeps every held-back entry (error feedback as published); below 1 a "
+                   "held-back entry's pile of first moments fades instead of landing late as "
+                   "one jump. Default 1 (dlrm 0.9).")
 flags.DEFINE_enum("adam_second_moment", "factored", ("factored", "sketched", "exact"),
                   "With --compression=dct/deft/topk under Adam correction: its second "
                   "moment's side channel. factored: row and column sums of the squared "
@@ -606,8 +607,8 @@ def validate(cfg: dict) -> None:
                     f"--compression={'/'.join(SPARSIFIERS)}; this run has "
                     f"--optimizer={cfg['optimizer']} --compression={comp}")
   if "adam_residual_decay" in cfg.get("explicit", ()) and not (
-      comp == "dct" and adam_correction(cfg)):
-    raise FlagError("--adam_residual_decay applies to --compression=dct with "
+      comp in SPARSIFIERS and adam_correction(cfg)):
+    raise FlagError(f"--adam_residual_decay applies to --compression={'/'.join(SPARSIFIERS)} with "
                     "--optimizer=adam/adamw and --adam_correction on; this run has "
                     f"--optimizer={cfg['optimizer']} --compression={comp} "
                     f"--adam_correction={str(adam_correction(cfg)).lower()}")
@@ -724,14 +725,14 @@ def make_compressor(cfg: dict, cls: type | None = None):
       common["momentum"] = MOMENTUM if cfg.get("momentum_correction", True) else 0.0
     if cfg["optimizer"] in ADAM_OPTIMIZERS:
       # None: the compressor takes Adam's hyper-parameters from the optimizer.
-      common["adam"] = None if adam_correction(cfg) else False
-      if adam_correction(cfg):
+      corrected = adam_correction(cfg)
+      common["adam"] = None if corrected else False
+      if corrected:
         common["adam_second_moment"] = cfg.get("adam_second_moment", "factored")
+        common["residual_decay"] = cfg["adam_residual_decay"]
   if comp == "deft":
     common["budget"] = cfg.get("deft_budget", "size")
   if comp == "dct":
-    if adam_correction(cfg):
-      common["residual_decay"] = cfg["adam_residual_decay"]
     return cls(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"],
                sparsity_schedule=cfg.get("sparsity_schedule") or (), **common)
   if comp == "threshold":
@@ -1424,7 +1425,7 @@ def print_table(s: dict, cfg: dict) -> None:
                      else "no Adam correction")
       if s.get("adam_correction") and cfg.get("adam_second_moment", "factored") != "factored":
         options.append(f"{cfg['adam_second_moment']} second moment")
-      if comp == "dct" and s.get("adam_correction") and cfg["adam_residual_decay"] != 1:
+      if s.get("adam_correction") and cfg["adam_residual_decay"] != 1:
         options.append(f"residual decay {cfg['adam_residual_decay']}")
   if options:
     comp += f" ({', '.join(options)})"

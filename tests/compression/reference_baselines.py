@@ -7,7 +7,8 @@ above the k-th largest magnitude and fills up to C = min(n, ceil(factor * k))
 slots with ties in flat order; HardThreshold sends |acc| >= lambda, the first
 C = min(n, ceil(capacity_density * n)) in flat order; CLTK's leader at step t
 is replica t mod n and its top k (ties: lower position) is everyone's support.
-Dense steps (warmup, n < min_size) send acc and clear the residual.
+Dense steps (warmup, n < min_size) send acc and clear the residual. With
+`residual_decay` r every residual is multiplied by r after the step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _first(mask: np.ndarray, cap: int) -> np.ndarray:
   return mask & (before < cap)
 
 
-def _run(grads, select, min_size, warmup_steps):
+def _run(grads, select, min_size, warmup_steps, residual_decay=1.0):
   """Shared loop. `select(t, accs)` -> per replica (sent, selected, tau)."""
   first = np.asarray(grads[0][0])
   shape, dtype, n = first.shape, first.dtype, first.size
@@ -53,6 +54,8 @@ def _run(grads, select, min_size, warmup_steps):
       values = np.where(sent, acc, dtype.type(0))
       step.update += values                                     # lines 7-9
       residual[r] = acc - values                                # lines 11-12
+      if residual_decay != 1:                                   # what stays fades
+        residual[r] = residual[r] * dtype.type(residual_decay)
       step.masks.append(sent.reshape(shape))
       step.selected.append(selected.reshape(shape))
       step.taus.append(tau)
@@ -63,7 +66,7 @@ def _run(grads, select, min_size, warmup_steps):
 
 
 def topk_reference(grads, density, capacity_factor=1.0, min_size=0,
-                   warmup_steps=0, min_count=0):
+                   warmup_steps=0, min_count=0, residual_decay=1.0):
   """TopK on grads[t][r] (one variable); a list of `ReferenceStep`.
 
   min_count 0 is DEFT's Top-k as written; otherwise k >= min(n, min_count).
@@ -85,7 +88,7 @@ def topk_reference(grads, density, capacity_factor=1.0, min_size=0,
       picks.append((sent, mag >= tau, tau))
     return picks
 
-  return _run(grads, select, min_size, warmup_steps)
+  return _run(grads, select, min_size, warmup_steps, residual_decay)
 
 
 def hard_threshold_reference(grads, threshold, capacity_density=0.05,

@@ -101,11 +101,12 @@ class ReferenceStep:
 
 
 def deft_reference(grads, density, min_size=0, warmup_steps=0, min_count=1,
-                   budget="size"):
+                   budget="size", residual_decay=1.0):
   """Runs DEFT on grads[t][r][v] (numpy arrays, one float dtype).
 
   Variables below `min_size` are summed densely; `budget` as DEFT's ("size"
-  or "norm", Algorithm 3). Returns one ReferenceStep per step.
+  or "norm", Algorithm 3); every residual is multiplied by `residual_decay`
+  after a step. Returns one ReferenceStep per step.
   """
   first = grads[0][0]
   replicas = len(grads[0])
@@ -154,6 +155,8 @@ def deft_reference(grads, density, min_size=0, warmup_steps=0, min_count=1,
     for r in range(replicas):
       total += np.where(union, acc[r], 0)
       residual[r] = np.where(union, np.zeros_like(acc[r]), acc[r])
+      if residual_decay != 1:                              # what stays fades
+        residual[r] = residual[r] * dtype.type(residual_decay)
     update, residuals = [None] * len(shapes), []
     bounds = np.cumsum([0] + sizes)
     for i, v in enumerate(comp):

@@ -104,6 +104,7 @@ class DEFTReferenceTest(tf.test.TestCase, parameterized.TestCase):
                                          "min_count": 1}),
       ("4_replicas_min_count_default", 4, {"min_count": 8}),
       ("2_replicas_min_count_40", 2, {"min_count": 40}),
+      ("2_replicas_residual_decay", 2, {"min_count": 1, "residual_decay": 0.75}),
       ("4_replicas_norm_budget", 4, {"min_count": 1, "budget": "norm"}),
       ("4_replicas_norm_budget_min_count_default", 4, {"min_count": 8,
                                                        "budget": "norm"}),
@@ -409,6 +410,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("whole_below_negative", {"whole_below": -1},
        "whole_below must be an int >= 0"),
       ("whole_below_float", {"whole_below": 2048.0}, "whole_below"),
+      ("residual_decay_zero", {"residual_decay": 0},
+       "DEFT: residual_decay must be a number in \\(0, 1\\], got 0"),
+      ("residual_decay_nan", {"residual_decay": float("nan")}, "residual_decay"),
       ("budget_unknown", {"budget": "l2"},
        "budget must be one of \\('norm', 'size'\\), got 'l2'"),
   )

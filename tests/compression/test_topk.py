@@ -37,6 +37,7 @@ class TopKReferenceTest(tf.test.TestCase, parameterized.TestCase):
       ("4_replicas", 4, {}),
       # The default floor: 8 entries of both variables (k would be 6 and 4).
       ("2_replicas_min_count", 2, {"min_count": 8}),
+      ("2_replicas_residual_decay", 2, {"residual_decay": 0.75}),
   )
   def test_matches_reference(self, replicas, extra):
     # min_count=0 unless given: k = ceil(n * density) as published.
@@ -46,7 +47,12 @@ class TopKReferenceTest(tf.test.TestCase, parameterized.TestCase):
                                       autograph=True)
     refs = _refs(grads, **kwargs)
     harness.assert_matches(self, history, refs, replicas, check_tau=True)
-    if "min_count" in extra:
+    if "residual_decay" in extra:
+      # What was held back shrank: the undecayed reference keeps more.
+      plain = _refs(grads, density=0.2, min_count=0)
+      self.assertLess(np.abs(refs[0][-1].residuals[0]).sum(),
+                      np.abs(plain[0][-1].residuals[0]).sum())
+    elif "min_count" in extra:
       for _, states in history:
         self.assertAllEqual(states[0]["sent"], [8] * replicas)
     elif not extra:
@@ -125,6 +131,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("capacity_low", {"capacity_factor": 0.9}, "capacity_factor must be a number >= 1"),
       ("min_size_negative", {"min_size": -1}, "min_size must be an int >= 0"),
       ("warmup_float", {"warmup_steps": 1.0}, "warmup_steps must be an int"),
+      ("residual_decay_zero", {"residual_decay": 0},
+       "TopK: residual_decay must be a number in \\(0, 1\\], got 0"),
+      ("residual_decay_above_one", {"residual_decay": 1.5}, "residual_decay"),
       ("value_dtype", {"value_dtype": "half"},
        "TopK: value_dtype must be None \\(the variable's dtype\\) or "
        "'bfloat16', got 'half'"),

@@ -352,6 +352,20 @@ class CommunicationSummaryTest(tf.test.TestCase):
     self.assertNotIn("sent as rows", out.getvalue())
     self.assertIn("| 1.0 s (no training step this run) |", out.getvalue())
 
+  def test_table_names_the_residual_decay_of_every_sparsifier(self):
+    summary = {"model": "dlrm", "config": "local", "loop": "custom", "replicas": 2,
+               "devices_per_replica": 1, "mp_splits": [], "steps": 2, "start_step": 0,
+               "first_loss": 0.7, "final_loss": 0.6, "eval": {},
+               "communication": self._job().communication(), "mp": None,
+               "wall_seconds": 1.0, "steps_per_sec": 2.0}
+    for comp in ("dct", "topk", "deft"):
+      for correction, named in ((True, True), (False, False)):
+        cfg = _cfg(model="dlrm", compression=comp, adam_correction=correction)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+          train.print_table(dict(summary, compression=comp, adam_correction=correction), cfg)
+        self.assertEqual("residual decay 0.9" in out.getvalue(), named, (comp, correction))
+
 
 class ModelsTest(tf.test.TestCase):
   """`--config=local` for every other model and loop, one compressor each."""
@@ -425,7 +439,7 @@ class ModelsTest(tf.test.TestCase):
     self.assertGreater(s["mp"]["dense_bytes"], s["mp"]["bytes"])
 
 
-class CompressionExcludeTest(tf.test.TestCase):
+class CompressionExcludeTest(tf.test.TestCase, parameterized.TestCase):
 
   def test_exclude_reaches_the_compressor(self):
     cfg = _cfg(model="dlrm", compression="deft", compression_exclude=["embedding", "bias$"])
@@ -507,21 +521,26 @@ class CompressionExcludeTest(tf.test.TestCase):
     self.assertEqual(_cfg(model="dlrm", optimizer="adam", mp_rescale="l1_backward")[
         "mp_rescale"], "l1_backward")
 
-  def test_adam_residual_decay_reaches_dct_under_adam_correction(self):
-    # dlrm's default decays DCT-DP's residuals by 0.9 under Adam correction;
-    # the other models keep Algorithm 1's residual (1).
-    self.assertEqual(train.make_compressor(_cfg(model="dlrm")).residual_decay, 0.9)
-    self.assertEqual(train.make_compressor(_cfg(model="mlp", optimizer="adam")).residual_decay, 1.0)
+  @parameterized.parameters("dct", "topk", "deft")
+  def test_adam_residual_decay_reaches_the_sparsifiers_under_adam_correction(self, comp):
+    # dlrm's default decays the residuals by 0.9 under Adam correction; the
+    # other models keep the published error feedback (1).
+    self.assertEqual(train.make_compressor(_cfg(model="dlrm", compression=comp)).residual_decay,
+                     0.9)
     self.assertEqual(train.make_compressor(_cfg(
-        model="mlp", optimizer="adam", adam_residual_decay=0.8)).residual_decay, 0.8)
+        model="mlp", optimizer="adam", compression=comp)).residual_decay, 1.0)
+    self.assertEqual(train.make_compressor(_cfg(
+        model="mlp", optimizer="adam", compression=comp,
+        adam_residual_decay=0.8)).residual_decay, 0.8)
     # Not under Adam correction: the model's default is not applied.
     for extra in ({"optimizer": "momentum"}, {"adam_correction": False}):
-      self.assertEqual(train.make_compressor(_cfg(model="dlrm", **extra)).residual_decay,
-                       1.0, extra)
+      self.assertEqual(train.make_compressor(_cfg(
+          model="dlrm", compression=comp, **extra)).residual_decay, 1.0, extra)
     for extra in ({"optimizer": "momentum"}, {"adam_correction": False},
-                  {"compression": "topk"}):
+                  {"compression": "cltk"}, {"compression": "none"}):
+      extra = {"compression": comp, **extra}
       with self.assertRaisesRegex(train.FlagError,
-                                  r"^--adam_residual_decay applies to --compression=dct "
+                                  r"^--adam_residual_decay applies to --compression=dct/deft/topk "
                                   r"with --optimizer=adam/adamw and --adam_correction on"):
         _cfg(model="dlrm", adam_residual_decay=0.5, **extra)
     for bad in (0.0, 1.5, float("nan")):

@@ -267,6 +267,8 @@ class Compressor(tf.Module):
     # What a sparse wire's values travel as (`sparse_wire.round_values`);
     # None: the variable's dtype. Set by `_init_value_dtype`.
     self.value_dtype = None
+    # The factor residuals are multiplied by after a step (`_init_residual_decay`).
+    self.residual_decay = 1.0
     # The phase the step being traced runs in (`in_phase`); None: decided in
     # the graph, every step.
     self.phase = None
@@ -304,6 +306,23 @@ class Compressor(tf.Module):
                        "momentum_masking=True (masking finds the sent entries "
                        f"by a zero residual), got {value_dtype!r}")
     self.value_dtype = value_dtype
+
+  def _init_residual_decay(self, residual_decay) -> None:
+    """Validates and sets `residual_decay`, a number in (0, 1] (see `decay`)."""
+    self.residual_decay = float(validation.check_number(
+        type(self).__name__, "residual_decay", residual_decay, numbers.Real,
+        0, True, 1, False))
+
+  def decay(self, residual: tf.Tensor) -> tf.Tensor:
+    """A new residual as kept for the next step: times `residual_decay`.
+
+    Beyond the papers: below 1, what error feedback holds back fades (a
+    held-back entry keeps about 1 / (1 - r) steps of it) instead of landing
+    late as one jump; what fades is dropped (docs/compression.md).
+    """
+    if self.residual_decay == 1:
+      return residual
+    return residual * tf.cast(self.residual_decay, residual.dtype)
 
   def _init_adam(self, adam, second_moment, adam_select="normalized",
                  first_moment="replica") -> None:

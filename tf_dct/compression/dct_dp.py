@@ -415,8 +415,7 @@ class DCTDP(Compressor):
     self.threshold_max_factor = float(_check(
         "threshold_max_factor", threshold_max_factor, numbers.Real, 1, True))
     self.sparsity_schedule = _check_schedule(sparsity_schedule)
-    self.residual_decay = float(_check(
-        "residual_decay", residual_decay, numbers.Real, 0, True, 1, False))
+    self._init_residual_decay(residual_decay)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     self.fuse_size = (None if fuse_size is None else int(
@@ -705,10 +704,8 @@ class DCTDP(Compressor):
       scalars = tf.unstack(tf.stack(
           [tf.cast(columns[name], tf.float64) for name in SCALARS], axis=1))
       for v, (var, st) in enumerate(zip(variables, group.states)):
-        residual = tf.reshape(residuals[v], var.shape)
-        if self.residual_decay != 1:  # what stays behind fades
-          residual = residual * tf.cast(self.residual_decay, residual.dtype)
-        st["residual"].local().assign(residual)
+        st["residual"].local().assign(
+            self.decay(tf.reshape(residuals[v], var.shape)))
         st["scalars"].local().assign(scalars[v])
 
     items = [(i, w, n, var.shape) for i, w, n, var in zip(

@@ -283,6 +283,8 @@ class DEFT(Compressor):
       optimizer without amsgrad; False: off). Its side channel costs bytes
       (docs/quality.md).
     adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP`.
+    residual_decay: the factor residuals are multiplied by after a step, in
+      (0, 1], as in `DCTDP` (default 1: Algorithm 1's error feedback).
 
   See the module docstring for the exact conventions.
   """
@@ -298,7 +300,7 @@ class DEFT(Compressor):
                adagrad_accumulator: str = "factored",
                sparse_gradients: str = "auto",
                dense_gradients: str = "auto", budget: str = "size",
-               whole_below: int = WHOLE_BELOW):
+               whole_below: int = WHOLE_BELOW, residual_decay: float = 1.0):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
@@ -313,6 +315,7 @@ class DEFT(Compressor):
     self._init_adam(adam, adam_second_moment, adam_select,
                     adam_first_moment)
     self._init_adagrad(adagrad, adagrad_accumulator)
+    self._init_residual_decay(residual_decay)
     self.density = float(_check("density", density, numbers.Real, 0, True, 1))
     self.min_size = int(_check("min_size", min_size, numbers.Integral, 0, False))
     self.warmup_steps = int(_check("warmup_steps", warmup_steps,
@@ -501,7 +504,7 @@ class DEFT(Compressor):
 
     def write():
       for i, (r, st) in enumerate(zip(residuals, states)):
-        r.assign(tf.reshape(kept[i], variables[i].shape))
+        r.assign(self.decay(tf.reshape(kept[i], variables[i].shape)))
         st["scalars"].local().assign(self.pack_scalars(variables[i], {
             "step": steps[i] + 1, "sent": sent[i], "selected": selected[i]}))
 

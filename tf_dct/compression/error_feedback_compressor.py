@@ -88,6 +88,8 @@ class ErrorFeedbackCompressor(Compressor):
     value_dtype: what the union exchange's values travel as, as in `DCTDP`
       (None: the variable's dtype; "bfloat16": rounded, the rounding error
       kept in the residual). A subclass with another exchange leaves it None.
+    residual_decay: the factor residuals are multiplied by after a step, in
+      (0, 1], as in `DCTDP` (1, the default: nothing held back is dropped).
   """
 
   # The union exchange (`_exchange`) goes through `sparse_wire.exchange_many`.
@@ -107,7 +109,8 @@ class ErrorFeedbackCompressor(Compressor):
                adagrad_accumulator: str = "factored",
                sparse_gradients: str = "auto",
                dense_gradients: str = "auto",
-               value_dtype: str | None = None):
+               value_dtype: str | None = None,
+               residual_decay: float = 1.0):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
@@ -116,6 +119,7 @@ class ErrorFeedbackCompressor(Compressor):
                     adam_first_moment)
     self._init_adagrad(adagrad, adagrad_accumulator)
     self._init_value_dtype(value_dtype)
+    self._init_residual_decay(residual_decay)
     self.min_size = int(self._check("min_size", min_size, numbers.Integral, 0,
                                     False))
     self.warmup_steps = int(self._check("warmup_steps", warmup_steps,
@@ -215,7 +219,8 @@ class ErrorFeedbackCompressor(Compressor):
       residual = tf.where(item.warm, tf.zeros_like(residual), residual)
       sent = tf.where(item.warm, item.n, sent)
       overflow = tf.where(item.warm, 0, overflow)
-    st["residual"].local().assign(tf.reshape(residual, variable.shape))
+    st["residual"].local().assign(
+        self.decay(tf.reshape(residual, variable.shape)))
     st["scalars"].local().assign(self.pack_scalars(variable, dict(
         out.extra, step=item.step + 1, sent=sent, overflow=overflow)))
 

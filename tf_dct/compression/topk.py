@@ -65,6 +65,8 @@ class TopK(ErrorFeedbackCompressor):
       by default).
     sparse_gradients, dense_gradients: as in `ErrorFeedbackCompressor`.
     value_dtype: None (default) or "bfloat16", as in `DCTDP`.
+    residual_decay: the factor residuals are multiplied by after a step, in
+      (0, 1], as in `DCTDP` (default 1).
 
   See the module docstring for the exact conventions.
   """
@@ -86,7 +88,8 @@ class TopK(ErrorFeedbackCompressor):
                adagrad_accumulator: str = "factored",
                sparse_gradients: str = "auto",
                dense_gradients: str = "auto",
-               value_dtype: str | None = None):
+               value_dtype: str | None = None,
+               residual_decay: float = 1.0):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
                      exclude=exclude, momentum=momentum,
                      momentum_masking=momentum_masking, adam=adam,
@@ -95,7 +98,8 @@ class TopK(ErrorFeedbackCompressor):
                      adam_first_moment=adam_first_moment,
                      adagrad=adagrad, adagrad_accumulator=adagrad_accumulator,
                      sparse_gradients=sparse_gradients,
-                     dense_gradients=dense_gradients, value_dtype=value_dtype)
+                     dense_gradients=dense_gradients, value_dtype=value_dtype,
+                     residual_decay=residual_decay)
     self.density = float(self._check("density", density, numbers.Real, 0, True,
                                      1, False))
     self.min_count = int(self._check("min_count", min_count, numbers.Integral,
