@@ -589,6 +589,8 @@ def validate(cfg: dict) -> None:
   _in_range(cfg, "learning_rate", 0, None, True, True)
   comp = cfg["compression"]
   cfg["sparsity_schedule"] = parse_schedule(cfg.get("sparsity_schedule") or (), comp)
+  if comp not in SPARSIFIERS and "min_count" not in cfg.get("explicit", ()):
+    cfg["min_count"] = None  # a model's preset floor applies to the sparsifiers only
   min_count = cfg.get("min_count")
   if min_count is not None:
     if comp not in SPARSIFIERS:

@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHER_DEFAULTS = {
     "data_dir": "", "replicator": "cpu", "tpu": config_dict.placeholder(str),
     "compression": "dct", "warmup_steps": 0, "sparsity_schedule": (), "min_size": 0,
-    "min_count": config_dict.placeholder(int), "momentum_correction": True,
+    "momentum_correction": True,
     "adam_correction": True, "adam_second_moment": "factored", "deft_budget": "size",
     "compression_exclude": (),
     "sparse_gradients": "auto", "dense_gradients": "auto", "value_dtype": "auto",
@@ -96,7 +96,10 @@ def base(model: str, preset_name: str) -> ml_collections.ConfigDict:
       value = config_dict.placeholder(value.get_type())
     config[name] = value
   for name in registry.COMMON_DEFAULTS:
-    config[name] = settings[name]
+    value = settings[name]
+    # An optional setting left unset (None) is a typed placeholder.
+    config[name] = (config_dict.placeholder(registry.OPTIONAL_SETTINGS[name])
+                    if value is None else value)
   config.learning_rate = config_dict.placeholder(float)
   config.learning_rates = ml_collections.ConfigDict(dict(table))
   for section in SECTIONS:

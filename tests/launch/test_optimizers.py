@@ -152,6 +152,33 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
       self.assertEqual(train.make_compressor(cfg).min_count, given)
 
   @parameterized.parameters(*train.SPARSIFIERS)
+  def test_ncf_default_preset_floor_is_eight(self, compression):
+    # NCF's default preset sets a floor of 8 for every sparsifier; its local
+    # preset and the other models keep the compressor's own.
+    cls = getattr(tf_dct.compression, train.COMPRESSOR_CLASSES[compression])
+    default = inspect.signature(cls).parameters["min_count"].default
+    with flagsaver.flagsaver(model="ncf", compression=compression):
+      cfg = train.resolved_config()
+    self.assertEqual(cfg["min_count"], 8)
+    self.assertEqual(train.make_compressor(cfg).min_count, 8)
+    with flagsaver.flagsaver(model="ncf", compression=compression, min_count=32):
+      self.assertEqual(train.make_compressor(train.resolved_config()).min_count, 32)
+    self.assertEqual(train.make_compressor(_cfg(model="ncf", config="local",
+                                                compression=compression)).min_count,
+                     default)
+    with flagsaver.flagsaver(model="dlrm", compression=compression):
+      self.assertEqual(train.make_compressor(train.resolved_config()).min_count, default)
+
+  def test_ncf_default_preset_floor_is_dropped_without_a_sparsifier(self):
+    for comp in ("none", "cltk", "threshold"):
+      with flagsaver.flagsaver(model="ncf", compression=comp):
+        self.assertIsNone(train.resolved_config()["min_count"], comp)
+      # Given on the command line it is still an error.
+      with flagsaver.flagsaver(model="ncf", compression=comp, min_count=8):
+        with self.assertRaisesRegex(train.FlagError, r"^--min_count is for "):
+          train.resolved_config()
+
+  @parameterized.parameters(*train.SPARSIFIERS)
   def test_momentum_correction_reaches_the_compressor(self, compression):
     base = dict(model="mlp", config="local", compression=compression)
     comp = train.make_compressor(_cfg(optimizer="momentum", **base))
