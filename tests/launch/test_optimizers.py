@@ -157,26 +157,22 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
     # preset and the other models keep the compressor's own.
     cls = getattr(tf_dct.compression, train.COMPRESSOR_CLASSES[compression])
     default = inspect.signature(cls).parameters["min_count"].default
-    with flagsaver.flagsaver(model="ncf", compression=compression):
-      cfg = train.resolved_config()
+    cfg = _cfg(model="ncf", compression=compression)
     self.assertEqual(cfg["min_count"], 8)
     self.assertEqual(train.make_compressor(cfg).min_count, 8)
-    with flagsaver.flagsaver(model="ncf", compression=compression, min_count=32):
-      self.assertEqual(train.make_compressor(train.resolved_config()).min_count, 32)
-    self.assertEqual(train.make_compressor(_cfg(model="ncf", config="local",
-                                                compression=compression)).min_count,
-                     default)
-    with flagsaver.flagsaver(model="dlrm", compression=compression):
-      self.assertEqual(train.make_compressor(train.resolved_config()).min_count, default)
+    self.assertEqual(train.make_compressor(_cfg(
+        model="ncf", compression=compression, min_count=32)).min_count, 32)
+    self.assertEqual(train.make_compressor(_cfg(
+        model="ncf", config="local", compression=compression)).min_count, default)
+    self.assertEqual(train.make_compressor(_cfg(
+        model="dlrm", compression=compression)).min_count, default)
 
   def test_ncf_default_preset_floor_is_dropped_without_a_sparsifier(self):
     for comp in ("none", "cltk", "threshold"):
-      with flagsaver.flagsaver(model="ncf", compression=comp):
-        self.assertIsNone(train.resolved_config()["min_count"], comp)
+      self.assertIsNone(_cfg(model="ncf", compression=comp)["min_count"], comp)
       # Given on the command line it is still an error.
-      with flagsaver.flagsaver(model="ncf", compression=comp, min_count=8):
-        with self.assertRaisesRegex(train.FlagError, r"^--min_count is for "):
-          train.resolved_config()
+      with self.assertRaisesRegex(train.FlagError, r"^--min_count is for "):
+        _cfg(model="ncf", compression=comp, min_count=8)
 
   @parameterized.parameters(*train.SPARSIFIERS)
   def test_momentum_correction_reaches_the_compressor(self, compression):

@@ -322,13 +322,17 @@ class CommunicationSummaryTest(tf.test.TestCase):
     self.assertAllClose(comm["ratio"], 2.94)
     self.assertAllClose(comm["payload_ratio"], 7.84)
 
+  def _summary(self, **changes):
+    """A two-step dlrm run's summary, as `Job.run` returns it."""
+    return {"model": "dlrm", "config": "local", "loop": "custom", "replicas": 2,
+            "devices_per_replica": 1, "compression": "dct", "mp_splits": [],
+            "steps": 2, "start_step": 0, "first_loss": 0.7, "final_loss": 0.6,
+            "eval": {}, "communication": self._job().communication(), "mp": None,
+            "wall_seconds": 1.0, "steps_per_sec": 2.0, **changes}
+
   def test_table_heads_with_stock_tf(self):
     cfg = _cfg(model="dlrm", compression="dct")
-    summary = {"model": "dlrm", "config": "local", "loop": "custom", "replicas": 2,
-               "devices_per_replica": 1, "compression": "dct", "mp_splits": [],
-               "steps": 2, "start_step": 0, "first_loss": 0.7, "final_loss": 0.6,
-               "eval": {}, "communication": self._job().communication(), "mp": None,
-               "wall_seconds": 1.0, "steps_per_sec": 2.0}
+    summary = self._summary()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
       train.print_table(summary, cfg)
@@ -353,17 +357,13 @@ class CommunicationSummaryTest(tf.test.TestCase):
     self.assertIn("| 1.0 s (no training step this run) |", out.getvalue())
 
   def test_table_names_the_residual_decay_of_every_sparsifier(self):
-    summary = {"model": "dlrm", "config": "local", "loop": "custom", "replicas": 2,
-               "devices_per_replica": 1, "mp_splits": [], "steps": 2, "start_step": 0,
-               "first_loss": 0.7, "final_loss": 0.6, "eval": {},
-               "communication": self._job().communication(), "mp": None,
-               "wall_seconds": 1.0, "steps_per_sec": 2.0}
     for comp in ("dct", "topk", "deft"):
       for correction, named in ((True, True), (False, False)):
         cfg = _cfg(model="dlrm", compression=comp, adam_correction=correction)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-          train.print_table(dict(summary, compression=comp, adam_correction=correction), cfg)
+          train.print_table(self._summary(compression=comp, adam_correction=correction),
+                            cfg)
         self.assertEqual("residual decay 0.9" in out.getvalue(), named, (comp, correction))
 
 
