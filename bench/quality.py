@@ -6,7 +6,10 @@ data-parallel replicas), configured by the launcher exactly as
 launcher's per-model and per-optimizer defaults (learning rate included)
 apply. Only the gradient compressor is built here, from a spec string
 (`COMPRESSORS` below: a launcher compressor class plus constructor keyword
-arguments; "dense" is the launcher's `--compression=none`), and given to the
+arguments; "dense" is the launcher's `--compression=none`): the arguments
+the launcher would pass (`launch.train.compressor_arguments`) with the
+spec's keywords on top, at the default preset's sparsity, density and
+threshold life on local presets too (`DEFAULT_RATES`). It is given to the
 job with `Job(cfg, compressor=...)`. Every (model, optimizer, compressor)
 runs once per seed; each run evaluates the model's headline metric
 `--evals` times at equal step intervals (the launcher's `eval_every`).
@@ -41,8 +44,9 @@ MovieLens-format ratings file: a synthetic one this script writes with
 transformer's headline is the evaluation loss: its BLEU stays 0 at these
 sizes.
 
-Compressors are built with their library defaults ("dct", "topk", "deft")
-and with the papers' settings ("*_paper": no per-variable floor on the
+Compressors are built with the launcher's defaults ("dct", "topk", "deft":
+the library's, plus per-model settings such as DLRM's residual decay under
+Adam) and with the papers' settings ("*_paper": no per-variable floor on the
 entries sent, min_count=0, no momentum correction, momentum=0.0, and no
 Adam correction, adam=False). A
 keyword the installed constructor does not accept is dropped and the run is
@@ -159,6 +163,11 @@ MODELS: dict[str, ModelPlan] = {
     "lstm_lm": ModelPlan("local", steps=400, quick_steps=40),
     "transformer": ModelPlan("local", steps=200, quick_steps=40, metric="loss"),
 }
+# The default preset's sparsity, density and threshold life
+# (launch/registry.py COMMON_DEFAULTS), on every run of a local preset too:
+# the local preset loosens them so that a 30-step smoke run learns, and the
+# benchmark measures what a full run sends.
+DEFAULT_RATES = {"sparsity": 0.99, "density": 0.01, "threshold_life": 1000}
 DEFAULT_MODELS = ("dlrm", "ncf", "lstm_lm", "transformer")
 DEFAULT_OPTIMIZERS = ("momentum", "adam", "adagrad")
 DEFAULT_COMPRESSORS = ("dense", "dct", "dct_paper")
@@ -170,6 +179,11 @@ DATA_SEED = 0  # the synthetic ratings file: the same data for every seed
 
 class FlagError(ValueError):
   """A bad flag value, reported before any training starts."""
+
+
+def plan_settings(plan: ModelPlan, config: str) -> dict:
+  """Launcher settings of every run of `plan` under the preset `config`."""
+  return {**(DEFAULT_RATES if config == "local" else {}), **plan.settings}
 
 
 # --- compressors -----------------------------------------------------------------
@@ -196,27 +210,35 @@ def parse_compressor(spec: str) -> tuple[str, dict]:
   return compression, kwargs
 
 
-def build_compressor(spec: str):
-  """(compressor or None for dense, launcher --compression value, notes).
+def build_compressor(spec: str, cfg: dict):
+  """(compressor or None for dense, notes) of `spec` in the run of `cfg`.
 
-  Keywords the installed constructor does not take are dropped; each one
-  dropped is named in the notes.
+  The compressor gets what the launcher would give it for `cfg` (its
+  per-model and per-optimizer settings: `launch.train.compressor_arguments`)
+  with the spec's keywords on top. A spec that turns Adam correction off
+  (`adam=False`) runs as `--adam_correction=false` would, so the launcher's
+  Adam-only settings (residual decay) are not passed either. Keywords the
+  installed constructor does not take are dropped; each one dropped is
+  named in the notes.
   """
   from launch import train  # pylint: disable=g-import-not-at-top
   import tf_dct  # pylint: disable=g-import-not-at-top
   compression, kwargs = parse_compressor(spec)
   if compression == "none":
-    return None, compression, []
+    return None, []
+  if kwargs.get("adam") is False and cfg["optimizer"] in train.ADAM_OPTIMIZERS:
+    cfg = {**cfg, "adam_correction": False}
   cls = getattr(tf_dct.compression, train.COMPRESSOR_CLASSES[compression])
   accepted = inspect.signature(cls).parameters
   notes = [f"{cls.__name__} takes no {key}= here: {spec} runs without it"
            for key in kwargs if key not in accepted]
-  compressor = cls(**{k: v for k, v in kwargs.items() if k in accepted})
+  arguments = {**train.compressor_arguments(cfg), **kwargs}
+  compressor = cls(**{k: v for k, v in arguments.items() if k in accepted})
   if compressor.exchanges_sparse_wire:
     # The replicas share one machine here, where sparse payloads default to
     # the fixed capacity; report the exact sizes that would cross a network.
     compressor.exact_sizes = True
-  return compressor, compression, notes
+  return compressor, notes
 
 
 # --- one run ---------------------------------------------------------------------
@@ -277,9 +299,10 @@ def run_one(model: str, optimizer: str, compressor: str, seed: int, *, config: s
   import tf_keras  # pylint: disable=g-import-not-at-top
   from launch import registry  # pylint: disable=g-import-not-at-top
   from launch import train  # pylint: disable=g-import-not-at-top
-  comp, compression, notes = build_compressor(compressor)
+  compression, _ = parse_compressor(compressor)
   cfg = launcher_config(model, optimizer, seed, compression, config=config, steps=steps,
                         evals=evals, data_dir=data_dir, settings=settings)
+  comp, notes = build_compressor(compressor, cfg)
   metric = metric or registry.get(model).metric
   record = {"model": model, "optimizer": optimizer, "compressor": compressor, "seed": seed,
             "metric": metric, "learning_rate": cfg["learning_rate"], "steps": steps,
@@ -297,8 +320,9 @@ def run_one(model: str, optimizer: str, compressor: str, seed: int, *, config: s
   keys = sorted({k for result in job.evals.values() for k in result})
   if keys and metric not in keys:
     raise FlagError(f"--metric: {model} evaluates {','.join(keys)}, not {metric!r}")
-  record["curve"] = {step: float(result[metric]) for step, result in sorted(job.evals.items())
-                     if metric in result}
+  record["curves"] = {key: {step: float(result[key]) for step, result in sorted(job.evals.items())
+                            if key in result} for key in keys}
+  record["curve"] = dict(record["curves"].get(metric, {}))
   record["final"] = (record["curve"][max(record["curve"])]
                      if record["curve"] and not record["diverged"] else math.nan)
   comm = job.communication()
@@ -328,7 +352,9 @@ def relative(value: float, reference: float) -> float:
 
 
 def summarize(records: Sequence[dict]) -> list[dict]:
-  """One row per (model, optimizer, compressor), in the order first seen.
+  """One row per (model, metric, optimizer, compressor), grouped by model,
+  metric and optimizer; models, metrics, optimizers and compressors each in
+  the order first seen in `records`.
 
   Each row: model, optimizer, compressor, metric, lower_is_better, seeds,
   finals (per seed), final (mean), rel (vs dense's mean), dense_spread
@@ -340,17 +366,16 @@ def summarize(records: Sequence[dict]) -> list[dict]:
   """
   groups: dict[tuple, list[dict]] = {}
   for r in records:
-    groups.setdefault((r["model"], r["optimizer"], r["compressor"]), []).append(r)
+    groups.setdefault((r["model"], r["metric"], r["optimizer"], r["compressor"]), []).append(r)
   rows = []
-  for (model, optimizer, compressor), runs in groups.items():
-    metric = runs[0]["metric"]
+  for (model, metric, optimizer, compressor), runs in groups.items():
     lower = metric in LOWER_IS_BETTER
     finals = [r["final"] for r in runs]
     ok = [f for f in finals if not math.isnan(f)]
     final = _mean(ok) if len(ok) == len(finals) else math.nan
     steps = sorted({s for r in runs for s in r["curve"]})
     curve = {s: _mean([r["curve"][s] for r in runs if s in r["curve"]]) for s in steps}
-    dense = groups.get((model, optimizer, "dense"))
+    dense = groups.get((model, metric, optimizer, "dense"))
     dense_finals = [r["final"] for r in dense] if dense else []
     if dense_finals and not any(math.isnan(f) for f in dense_finals):
       dense_mean = _mean(dense_finals)
@@ -390,7 +415,14 @@ def summarize(records: Sequence[dict]) -> list[dict]:
         "diverged": sum(1 for r in runs if r.get("diverged")),
         "notes": sorted({n for r in runs for n in r.get("notes", ())}),
     })
-  return rows
+  # Merged parts may hold one compressor's runs after the others'.
+  keys = lambda r: (("model", r["model"]), ("metric", r["model"], r["metric"]),
+                    ("optimizer", r["optimizer"]), ("compressor", r["compressor"]))
+  order = {}
+  for r in records:
+    for key in keys(r):
+      order.setdefault(key, len(order))
+  return sorted(rows, key=lambda row: tuple(order[k] for k in keys(row)))
 
 
 # --- tables ----------------------------------------------------------------------
@@ -439,8 +471,8 @@ def curves_table(rows: Sequence[dict]) -> str:
   out = []
   by_group: dict[tuple, list[dict]] = {}
   for r in rows:
-    by_group.setdefault((r["model"], r["optimizer"]), []).append(r)
-  for (model, optimizer), group in by_group.items():
+    by_group.setdefault((r["model"], r["metric"], r["optimizer"]), []).append(r)
+  for (model, _, optimizer), group in by_group.items():
     steps = sorted({s for r in group for s in r["curve"]})
     out.append(f"{model}, {optimizer}: {group[0]['metric']} at step")
     out.append("")
@@ -470,11 +502,13 @@ def notes_lines(rows: Sequence[dict]) -> list[str]:
   return lines
 
 
-def report(rows: Sequence[dict], command: str | Sequence[str], wall: float) -> str:
+def report(rows: Sequence[dict], command: str | Sequence[str], wall: float,
+           metric: str = "") -> str:
   """The whole markdown report: command, main table, curves, notes.
 
   `command`: the command that ran the records, or the commands of the parts
-  merged with --plot_json (`wall`: their times added up).
+  merged with --plot_json (`wall`: their times added up); `metric`: the
+  --metric given with --plot_json, which the report names.
   """
   commands = [command] if isinstance(command, str) else list(command)
   if len(commands) == 1:
@@ -483,7 +517,8 @@ def report(rows: Sequence[dict], command: str | Sequence[str], wall: float) -> s
     origin = ("Produced in " + str(len(commands)) + " parts, " +
               ", ".join(f"`{c}`" for c in commands) + ", merged from their --json files "
               f"({wall / 60:.1f} min in all on the machine that ran them, ")
-  parts = [origin + f"its CPU split into {NUM_CPUS} logical devices).", "",
+  reported = f" Reported with `--metric={metric}`." if metric else ""
+  parts = [origin + f"its CPU split into {NUM_CPUS} logical devices).{reported}", "",
            "Finals are means over the seeds; \"vs dense\" and \"worst point\" are relative "
            "to dense's mean at the same step (the metric's sign); \"payload\" is what "
            "one replica would send without tf-dct / what it sends per step: \"vs stock "
@@ -499,23 +534,24 @@ def report(rows: Sequence[dict], command: str | Sequence[str], wall: float) -> s
 
 
 def plot(rows: Sequence[dict], records: Sequence[dict], path: str) -> None:
-  """One panel per (model, optimizer): per compressor the mean curve over the
+  """One panel per (model, metric, optimizer): per compressor the mean curve over the
   seeds and the seeds' range as a band of the line's colour (dense in black).
 
   Markers, line styles, font sizes and legend placement: bench/plotting.py.
   """
   from bench import plotting  # pylint: disable=g-import-not-at-top
   plt = plotting.pyplot()
-  groups = list(dict.fromkeys((r["model"], r["optimizer"]) for r in rows))
+  groups = list(dict.fromkeys((r["model"], r["metric"], r["optimizer"]) for r in rows))
   cols = min(3, len(groups))
   nrows = -(-len(groups) // cols)
   fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.9 * nrows + 0.4),
                            squeeze=False, layout="constrained")  # room for the legends below
-  for ax, (model, optimizer) in zip(axes.flat, groups):
-    group = [r for r in rows if (r["model"], r["optimizer"]) == (model, optimizer)]
+  for ax, (model, metric, optimizer) in zip(axes.flat, groups):
+    group = [r for r in rows if (r["model"], r["metric"], r["optimizer"])
+             == (model, metric, optimizer)]
     for row in group:
-      runs = [r for r in records if (r["model"], r["optimizer"], r["compressor"])
-              == (model, optimizer, row["compressor"])]
+      runs = [r for r in records if (r["model"], r["metric"], r["optimizer"], r["compressor"])
+              == (model, metric, optimizer, row["compressor"])]
       steps = sorted(row["curve"])
       (line,) = ax.plot(steps, [row["curve"][s] for s in steps], label=row["compressor"],
                         color="black" if row["compressor"] == "dense" else None)
@@ -551,9 +587,12 @@ def json_data(records: Sequence[dict], *, command: str, wall: float,
   missing = [k for k in SHARED_SETTINGS if k not in settings]
   if missing:
     raise ValueError(f"json_data: settings lack {','.join(missing)}")
+  pairs = lambda curve: [[s, v] for s, v in sorted(curve.items())]
   return {"format": JSON_FORMAT, "version": JSON_VERSION, "command": command,
           "wall_seconds": wall, "settings": dict(settings),
-          "records": [{**r, "curve": [[s, v] for s, v in sorted(r["curve"].items())]}
+          "records": [{**r, "curve": pairs(r["curve"]),
+                       **({"curves": {k: pairs(c) for k, c in r["curves"].items()}}
+                          if "curves" in r else {})}
                       for r in records]}
 
 
@@ -573,17 +612,45 @@ def load_json(path: str) -> dict:
   if data.get("version") != JSON_VERSION:
     raise FlagError(f"--plot_json: {path} has version {data.get('version')!r}; this "
                     f"script reads version {JSON_VERSION}")
-  data["records"] = [{**r, "curve": {int(s): float(v) for s, v in r["curve"]}}
+  curve = lambda pairs: {int(s): float(v) for s, v in pairs}
+  data["records"] = [{**r, "curve": curve(r["curve"]),
+                      **({"curves": {k: curve(c) for k, c in r["curves"].items()}}
+                         if "curves" in r else {})}
                      for r in data["records"]]
   return data
 
 
+def expand_metrics(records: Sequence[dict], metrics: dict) -> list[dict]:
+  """`records` reported by the evaluation keys of `metrics` ({model: [key,
+  ...]}): one copy of each record of such a model per key, its curve and
+  final taken from the curves every record keeps, grouped by key; other
+  models' records as they are. Raises FlagError naming the run when a record
+  lacks a key."""
+  out = []
+  for model in dict.fromkeys(r["model"] for r in records):
+    runs = [r for r in records if r["model"] == model]
+    for key in metrics.get(model) or [None]:
+      for r in runs:
+        if key is not None and key != r["metric"]:
+          curves = r.get("curves") or {}
+          if key not in curves:
+            kept = ",".join(sorted(curves)) or "no evaluation keys"
+            raise FlagError(f"--metric: the run {model} / {r['optimizer']} / "
+                            f"{r['compressor']} seed {r['seed']} kept {kept}, not {key!r}")
+          curve = curves[key]
+          final = curve[max(curve)] if curve and not r["diverged"] else math.nan
+          r = {**r, "metric": key, "curve": dict(curve), "final": final}
+        out.append(r)
+  return out
+
+
 def _same_run(a: dict, b: dict) -> bool:
-  """Whether two records are one run repeated: equal in everything but their
-  time (runs are deterministic, so each part's dense reference repeats the
-  other parts'). NaN finals of diverged runs compare equal."""
-  strip = lambda r: json.dumps({k: v for k, v in r.items() if k != "wall_seconds"},
-                               sort_keys=True, default=str)
+  """Whether two records are one run repeated: equal in every key both have
+  but their time (runs are deterministic, so each part's dense reference
+  repeats the other parts'; a record without "curves" is compared on the
+  rest). NaN finals of diverged runs compare equal."""
+  common = (set(a) & set(b)) - {"wall_seconds"}
+  strip = lambda r: json.dumps({k: r[k] for k in common}, sort_keys=True, default=str)
   return strip(a) == strip(b)
 
 
@@ -683,7 +750,7 @@ def run(models: Sequence[str], optimizers: Sequence[str], compressors: Sequence[
           for seed in seeds:
             r = run_one(model, optimizer, compressor, seed, config=config,
                         steps=model_steps, evals=evals, data_dir=model_data,
-                        settings={**plan.settings, **(settings or {})},
+                        settings={**plan_settings(plan, config), **(settings or {})},
                         metric=(metrics or {}).get(model) or plan.metric,
                         verbose=verbose)
             records.append(r)
@@ -693,6 +760,22 @@ def run(models: Sequence[str], optimizers: Sequence[str], compressors: Sequence[
                 f"{_ratio(r.get('stock_payload_ratio'))} vs stock TF, "
                 f"{_ratio(r['payload_ratio'])} vs densified ({r['wall_seconds']:.0f} s)")
   return records
+
+
+def parse_metrics(text: str, models: Sequence[str]) -> dict:
+  """--metric's {model: [key, ...]} in the order given; every model must be
+  in `models`."""
+  metric_map = {}
+  for item in _split(text):
+    model, colon, key = item.partition(":")
+    if not colon or not model or not key:
+      raise FlagError(f"--metric: expected model:key, got {item!r}")
+    if model not in models:
+      raise FlagError(f"--metric: {model} is not in --models ({','.join(models)})")
+    if key in metric_map.get(model, ()):
+      raise FlagError(f"--metric lists {model}:{key} twice")
+    metric_map.setdefault(model, []).append(key)
+  return metric_map
 
 
 def _split(text: str) -> list[str]:
@@ -740,7 +823,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="training steps of every run; default per model (MODELS)")
   p.add_argument("--metric", default="",
                  help="comma list of model:key, the evaluation key reported for that "
-                 "model instead of its headline metric (e.g. dlrm:loss); default none")
+                 "model instead of its headline metric (e.g. dlrm:loss); a model listed "
+                 "with several keys is reported once per key (dlrm:auc,dlrm:loss). With "
+                 "--plot_json: taken from the curves the runs kept. Default none")
   p.add_argument("--evals", type=int, default=None,
                  help="evaluation points per run (every steps/evals steps); default 4")
   p.add_argument("--data_dir", default="",
@@ -780,6 +865,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       "files hold their runs' settings)")
     if args.write_docs and not os.path.isfile(DOC_PATH):
       raise FlagError(f"--write_docs: {DOC_PATH} not found")
+    args.metric_map = parse_metrics(args.metric, MODELS)
     return args
   if args.seeds is None:
     args.seeds = "0,1"
@@ -810,12 +896,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   else:
     compressors = list(preset["compressors"])
   for spec in compressors:
-    try:
-      build_compressor(spec)  # a bad keyword value fails here, before any training
-    except (TypeError, ValueError) as e:
-      if isinstance(e, FlagError):
-        raise
-      raise FlagError(f"--compressors: {spec}: {e}") from None
+    compression, _ = parse_compressor(spec)
+    for model in models:  # a bad keyword value fails here, before any training
+      plan = MODELS[model]
+      config = "local" if args.quick else plan.config
+      for optimizer in optimizers:
+        cfg = launcher_config(model, optimizer, 0, compression, config=config, steps=1,
+                              evals=1, settings=plan_settings(plan, config))
+        try:
+          build_compressor(spec, cfg)
+        except (TypeError, ValueError) as e:
+          raise FlagError(f"--compressors: {spec}: {e}") from None
   if "dense" not in compressors:
     compressors.insert(0, "dense")
   for name, values in (("models", models), ("optimizers", optimizers),
@@ -841,16 +932,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     raise FlagError("--data_dir is the ncf ratings directory, but --models has no ncf")
   if args.write_docs and not os.path.isfile(DOC_PATH):
     raise FlagError(f"--write_docs: {DOC_PATH} not found")
-  metric_map = {}
-  for item in _split(args.metric):
-    model, colon, key = item.partition(":")
-    if not colon or not model or not key:
-      raise FlagError(f"--metric: expected model:key, got {item!r}")
-    if model not in models:
-      raise FlagError(f"--metric: {model} is not in --models ({','.join(models)})")
-    if model in metric_map:
-      raise FlagError(f"--metric lists {model} twice")
-    metric_map[model] = key
+  metric_map = parse_metrics(args.metric, models)
   args.metric_map = metric_map
   args.model_list, args.optimizer_list = models, optimizers
   args.compressor_list, args.seed_list = compressors, seeds
@@ -858,7 +940,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # Flags --plot_json refuses: they choose what to train.
-TRAINING_FLAGS = ("quick", "models", "optimizers", "compressors", "seeds", "steps", "metric",
+TRAINING_FLAGS = ("quick", "models", "optimizers", "compressors", "seeds", "steps",
                   "evals", "data_dir", "verbose", "json")
 OUTPUT_FLAGS = ("--out", "--png", "--json", "--write_docs", "--verbose")
 
@@ -889,13 +971,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.plot_list:
     try:
       records, command, wall = merge([(f, load_json(f)) for f in args.plot_list])
+      records = expand_metrics(records, args.metric_map)
     except FlagError as e:
       print(f"quality: error: {e}", file=sys.stderr)
       return 2
   else:
     records, command, wall = train_all(args, argv)
+    records = expand_metrics(records, args.metric_map)
   rows = summarize(records)
-  markdown = report(rows, command, wall)
+  markdown = report(rows, command, wall, args.metric if args.plot_list else "")
   print("\n" + markdown, flush=True)
   if args.out:
     with open(args.out, "w", encoding="utf-8") as f:
@@ -916,7 +1000,9 @@ def train_all(args: argparse.Namespace, argv: Sequence[str]) -> tuple[list[dict]
   start = time.perf_counter()
   records = run(args.model_list, args.optimizer_list, args.compressor_list, args.seed_list,
                 quick=args.quick, steps=args.steps, evals=args.evals,
-                data_dir=args.data_dir, metrics=args.metric_map, verbose=args.verbose,
+                data_dir=args.data_dir,
+                metrics={model: keys[0] for model, keys in args.metric_map.items()},
+                verbose=args.verbose,
                 log=lambda line: print(line, flush=True))
   wall = time.perf_counter() - start
   command = command_line(argv)

@@ -77,7 +77,7 @@ def hparams(cfg: dict, num_replicas: int, *, sparsifier: bool,
   if comp != "none":
     out.update(warmup_steps=cfg["warmup_steps"], min_size=cfg["min_size"],
                compression_exclude=",".join(cfg.get("compression_exclude") or ()),
-               sparse_gradients=cfg.get("sparse_gradients", "auto"),
+               sparse_gradients=cfg.get("sparse_gradients"),
                dense_gradients=cfg.get("dense_gradients", "auto"))
   if comp == "dct":
     out.update(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"],

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -275,10 +276,11 @@ flags.DEFINE_list("compression_exclude", [],
                   "Regular expressions; variables whose names match one are all-reduced as "
                   "they are (embedding IndexedSlices all-gathered), not compressed. E.g. "
                   "'embedding' compresses only DLRM's MLPs, as DCT §3.1 does.")
-flags.DEFINE_enum("sparse_gradients", "auto", ("auto", "stock", "compress"),
+flags.DEFINE_enum("sparse_gradients", None, ("auto", "stock", "compress"),
                   "Embedding tables' IndexedSlices gradients: stock sends the touched rows "
                   "as TF does (exact, an all-gather); compress compresses the table; auto "
-                  "picks per table whichever moves fewer bytes.")
+                  "picks per table whichever moves fewer bytes. Default: the compressor's "
+                  "own (stock for deft, auto for the others).")
 flags.DEFINE_enum("value_dtype", "auto", ("auto", "float32", "bfloat16"),
                   "dct/topk/threshold: the dtype a sent value travels in. bfloat16: two "
                   "values to an int32 word, each replica keeping the rounding error in its "
@@ -589,6 +591,12 @@ def validate(cfg: dict) -> None:
   _in_range(cfg, "learning_rate", 0, None, True, True)
   comp = cfg["compression"]
   cfg["sparsity_schedule"] = parse_schedule(cfg.get("sparsity_schedule") or (), comp)
+  if cfg.get("sparse_gradients") is None and comp != "none":
+    # The compressor's own default (DEFT sends embedding rows as TF does).
+    cls = getattr(tf_dct.compression, COMPRESSOR_CLASSES[comp], None)
+    if cls is not None:
+      cfg["sparse_gradients"] = (
+          inspect.signature(cls).parameters["sparse_gradients"].default)
   if comp not in SPARSIFIERS and "min_count" not in cfg.get("explicit", ()):
     cfg["min_count"] = None  # a model's preset floor applies to the sparsifiers only
   min_count = cfg.get("min_count")
@@ -710,13 +718,22 @@ def make_compressor(cfg: dict, cls: type | None = None):
                     f"tf_dct.compression.{base.__name__} (--compression={comp}), got {cls!r}")
   if comp == "none":
     return None if cls is None else cls()
-  cls = cls or base
+  return (cls or base)(**compressor_arguments(cfg))
+
+
+def compressor_arguments(cfg: dict) -> dict:
+  """The constructor keywords the flags give `--compression`'s class ({} for
+  'none'): what `make_compressor` builds, for callers that add their own."""
+  comp = cfg["compression"]
+  if comp == "none":
+    return {}
   common = {"min_size": cfg["min_size"], "warmup_steps": cfg["warmup_steps"],
             "exclude": tuple(cfg.get("compression_exclude") or ()),
-            "sparse_gradients": cfg.get("sparse_gradients", "auto"),
             "dense_gradients": cfg.get("dense_gradients", "auto")}
   if cfg.get("value_dtype", "auto") != "auto":
     common["value_dtype"] = VALUE_DTYPES[cfg["value_dtype"]]
+  if cfg.get("sparse_gradients") is not None:  # None: the compressor's own
+    common["sparse_gradients"] = cfg["sparse_gradients"]
   if comp in SPARSIFIERS:
     if cfg.get("min_count") is not None:
       common["min_count"] = cfg["min_count"]
@@ -735,12 +752,12 @@ def make_compressor(cfg: dict, cls: type | None = None):
   if comp == "deft":
     common["budget"] = cfg.get("deft_budget", "size")
   if comp == "dct":
-    return cls(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"],
-               sparsity_schedule=cfg.get("sparsity_schedule") or (), **common)
+    return dict(sparsity=cfg["sparsity"], threshold_life=cfg["threshold_life"],
+                sparsity_schedule=cfg.get("sparsity_schedule") or (), **common)
   if comp == "threshold":
     extra = ({"capacity_density": cfg["density"]} if "density" in cfg["explicit"] else {})
-    return cls(threshold=cfg["threshold"], **extra, **common)
-  return cls(density=cfg["density"], **common)
+    return dict(threshold=cfg["threshold"], **extra, **common)
+  return dict(density=cfg["density"], **common)
 
 
 def make_optimizer(cfg: dict):
@@ -1377,6 +1394,7 @@ class Job:
         # What --value_dtype resolved to: "bfloat16" or None (the
         # variable's dtype); None without a sparse-wire compressor.
         "value_dtype": getattr(self.compressor, "value_dtype", None),
+        "sparse_gradients": getattr(self.compressor, "sparse_gradients", None),
         "sent_as_rows": self._variables_where(
             lambda v: self.compressor.sends_as_is(v) and not self.compressor.is_excluded(v)),
         "sent_whole": self._variables_where(lambda v: self.compressor.sends_whole(v)),
@@ -1450,7 +1468,7 @@ def print_table(s: dict, cfg: dict) -> None:
     # Decided when the first step is traced: a run that trains no step
     # (--mode=eval, or a resume at --steps) has nothing to report here.
     rows.insert(3, ("embedding tables sent as rows", ", ".join(s.get("sent_as_rows", ()))
-                    or f"none (--sparse_gradients={cfg.get('sparse_gradients', 'auto')})"))
+                    or f"none (sparse_gradients={s.get('sparse_gradients')})"))
     whole = s.get("sent_whole", ())
     rows.insert(4, ("small variables all-reduced whole",
                     f"{len(whole)} ({', '.join(whole[:3])}{', ...' if len(whole) > 3 else ''})"

@@ -45,7 +45,9 @@ LAUNCHER_DEFAULTS = {
     "momentum_correction": True,
     "adam_correction": True, "adam_second_moment": "factored", "deft_budget": "size",
     "compression_exclude": (),
-    "sparse_gradients": "auto", "dense_gradients": "auto", "value_dtype": "auto",
+    # None: the compressor's own (DEFT: "stock", the others: "auto").
+    "sparse_gradients": config_dict.placeholder(str),
+    "dense_gradients": "auto", "value_dtype": "auto",
     "loop": "custom", "seed": 0,
     "summary_every": config_dict.placeholder(int),
 }

@@ -221,7 +221,7 @@ class FlagsTest(parameterized.TestCase):
       (["--metric=dlrm"], "--metric: expected model:key, got 'dlrm'"),
       (["--metric=dlrm:"], "--metric: expected model:key"),
       (["--models=ncf", "--metric=dlrm:loss"], "--metric: dlrm is not in --models (ncf)"),
-      (["--metric=dlrm:loss,dlrm:auc"], "--metric lists dlrm twice"),
+      (["--metric=dlrm:loss,dlrm:loss"], "--metric lists dlrm:loss twice"),
       (["--plot_json=/nonexistent.json"], "--plot_json: no such file '/nonexistent.json'"),
       (["--plot_json=,"], "--plot_json: give a comma list of --json files"),
   )
@@ -241,7 +241,9 @@ class FlagsTest(parameterized.TestCase):
   def test_metric_overrides_the_headline_metric_of_its_model(self):
     self.assertEqual(quality.parse_args([]).metric_map, {})
     args = quality.parse_args(["--models=dlrm,ncf", "--metric=dlrm:loss"])
-    self.assertEqual(args.metric_map, {"dlrm": "loss"})
+    self.assertEqual(args.metric_map, {"dlrm": ["loss"]})
+    args = quality.parse_args(["--models=dlrm,ncf", "--metric=dlrm:auc,dlrm:loss"])
+    self.assertEqual(args.metric_map, {"dlrm": ["auc", "loss"]})
     calls = []
 
     def fake_run_one(model, optimizer, compressor, seed, **kwargs):
@@ -278,17 +280,26 @@ class FlagsTest(parameterized.TestCase):
       record = quality.run_one("ncf", "adam", "dense", 0, config="local", steps=1,
                                evals=1, metric="ndcg@10")
       self.assertEqual((record["curve"], record["final"]), ({1: 0.125}, 0.125))
+      # Every evaluation key's curve is kept, for --metric at --plot_json time.
+      self.assertEqual(record["curves"], {"hr@10": {1: 0.25}, "ndcg@10": {1: 0.125}})
       with self.assertRaisesRegex(quality.FlagError,
                                   re.escape("--metric: ncf evaluates hr@10,ndcg@10, not 'auc'")):
         quality.run_one("ncf", "adam", "dense", 0, config="local", steps=1, evals=1,
                         metric="auc")
+
+  def _build(self, spec, model="ncf", optimizer="adam"):
+    plan = quality.MODELS[model]
+    cfg = quality.launcher_config(model, optimizer, 0, quality.parse_compressor(spec)[0],
+                                  config=plan.config, steps=4, evals=1,
+                                  settings=quality.plan_settings(plan, plan.config))
+    return quality.build_compressor(spec, cfg)
 
   def test_spec_values_may_hold_commas(self):
     args = quality.parse_args(
         ["--compressors=dct+sparsity_schedule=((5,0.75),(5,0.9)),topk"])
     self.assertEqual(args.compressor_list,
                      ["dense", "dct+sparsity_schedule=((5,0.75),(5,0.9))", "topk"])
-    comp, _, _ = quality.build_compressor(args.compressor_list[1])
+    comp, _ = self._build(args.compressor_list[1])
     self.assertEqual(comp.sparsity_schedule, ((5, 0.75), (5, 0.9)))
 
   def test_paper_specs_and_extra_keywords(self):
@@ -296,20 +307,40 @@ class FlagsTest(parameterized.TestCase):
                      ("dct", {**quality.PAPER, "density_band": None, "value_dtype": None,
                               "sparsity": 0.9}))
     # Algorithm 1: no guard, float32 values
-    comp, _, notes = quality.build_compressor("dct_paper")
+    comp, notes = self._build("dct_paper")
     self.assertEqual((type(comp).__name__, comp.density_band, comp.min_count,
-                      comp.value_dtype, notes), ("DCTDP", None, 0, None, []))
-    comp, _, _ = quality.build_compressor("dct")  # the default: bfloat16 values
+                      comp.value_dtype, comp.adam, notes), ("DCTDP", None, 0, None, False, []))
+    comp, _ = self._build("dct")  # the default: bfloat16 values
     self.assertEqual(comp.value_dtype, "bfloat16")
     self.assertIs(comp.exact_sizes, True)  # payloads priced as across a network
-    comp, compression, notes = quality.build_compressor("topk+density=0.05")
-    self.assertEqual((type(comp).__name__, compression, comp.density), ("TopK", "topk", 0.05))
+    comp, notes = self._build("topk+density=0.05")
+    self.assertEqual((type(comp).__name__, comp.density), ("TopK", 0.05))
     self.assertEqual(notes, [])
-    comp, _, notes = quality.build_compressor("deft+not_an_option=1")
+    comp, notes = self._build("deft+not_an_option=1")
     self.assertEqual(type(comp).__name__, "DEFT")
     self.assertEqual(notes, ["DEFT takes no not_an_option= here: deft+not_an_option=1 runs "
                              "without it"])
-    self.assertEqual(quality.build_compressor("dense"), (None, "none", []))
+    self.assertEqual(self._build("dense"), (None, []))
+
+  def test_compressors_get_the_launchers_settings_at_the_default_rates(self):
+    from launch import registry  # pylint: disable=g-import-not-at-top
+    self.assertEqual(quality.DEFAULT_RATES,
+                     {k: registry.COMMON_DEFAULTS[k] for k in quality.DEFAULT_RATES})
+    # A local preset (NCF) runs at the default preset's rates, not the local
+    # smoke run's 0.9 / 0.1 / 10.
+    comp, _ = self._build("dct")
+    self.assertEqual((comp.sparsity, comp.threshold_life, comp.min_count), (0.99, 1000, 64))
+    self.assertEqual(self._build("topk")[0].density, 0.01)
+    # DLRM under Adam: the launcher's residual decay for every sparsifier with
+    # Adam correction; the papers' settings and `adam=False` run without it.
+    for spec in ("dct", "topk", "deft"):
+      self.assertEqual(self._build(spec, "dlrm")[0].residual_decay, 0.9)
+      self.assertEqual(self._build(spec, "dlrm", "momentum")[0].residual_decay, 1.0)
+      self.assertEqual(self._build(spec, "ncf")[0].residual_decay, 1.0)
+      self.assertEqual(self._build(spec + "_paper", "dlrm")[0].residual_decay, 1.0)
+      self.assertEqual(self._build(spec + "+adam=False", "dlrm")[0].residual_decay, 1.0)
+    self.assertEqual(self._build("topk+residual_decay=0.8", "dlrm")[0].residual_decay, 0.8)
+    self.assertEqual(self._build("topk", "dlrm", "momentum")[0].momentum, 0.9)
 
 
 SETTINGS = {"quick": False, "evals": 2, "data_dir": "", "num_cpus": quality.NUM_CPUS}
@@ -361,9 +392,10 @@ class JsonTest(tf.test.TestCase):
     records, commands, wall = quality.merge([(f, quality.load_json(f)) for f in (a, b)])
     self.assertEqual((len(records), wall), (8, 180.0))
     rows = quality.summarize(records)
+    # Grouped by model: ncf's dct (from the second part) beside its dense.
     self.assertEqual([(r["model"], r["compressor"]) for r in rows],
-                     [("ncf", "dense"), ("lstm_lm", "dense"), ("lstm_lm", "dct"),
-                      ("ncf", "dct")])
+                     [("ncf", "dense"), ("ncf", "dct"), ("lstm_lm", "dense"),
+                      ("lstm_lm", "dct")])
     self.assertEqual(rows, quality.summarize(dense + lstm + dct))  # dct vs dense across parts
     text = quality.report(rows, commands, wall)
     self.assertStartsWith(text, "Produced in 2 parts, `python bench/quality.py "
@@ -383,6 +415,10 @@ class JsonTest(tf.test.TestCase):
     # differs is refused.
     timed = self._part("timed.json", [dict(r, wall_seconds=99.0) for r in dense])
     self.assertLen(quality.merge([(f, quality.load_json(f)) for f in (a, timed)])[0], 2)
+    # A record without the curves of every key matches one with them.
+    curved = self._part("curved.json", [dict(r, curves={"hr@10": r["curve"]}) for r in dense])
+    self.assertLen(quality.merge([(f, quality.load_json(f)) for f in (a, curved)])[0], 2)
+    self.assertNotIn("curves", quality.load_json(a)["records"][0])
     other = self._part("other.json", [dict(r, final=r["final"] + 1e-9) for r in dense])
     with self.assertRaisesRegex(quality.FlagError, "with other results"):
       quality.merge([(f, quality.load_json(f)) for f in (a, other)])
@@ -415,6 +451,35 @@ class JsonTest(tf.test.TestCase):
     self.assertEqual(self._main([f"--plot_json={bad}"]),
                      (2, f"quality: error: --plot_json: {bad} is not a bench/quality.py "
                          "--json file\n"))
+
+  def test_plot_json_reports_each_metric_the_runs_kept(self):
+    records = []
+    for k, c in enumerate(("dense", "dct")):
+      for seed in (0, 1):
+        auc = {5: 0.6 + 0.01 * seed, 10: 0.7 + 0.01 * seed - 0.02 * k}
+        loss = {5: 0.6 - 0.01 * seed, 10: 0.5 - 0.01 * seed + 0.01 * k}
+        r = _record(c, seed, auc[10], auc, model="dlrm", metric="auc")
+        r["curves"] = {"auc": auc, "loss": loss}
+        records.append(r)
+    path = self._part("dlrm.json", records)
+    out = os.path.join(self.create_tempdir().full_path, "report.md")
+    self.assertEqual(self._main([f"--plot_json={path}", "--metric=dlrm:auc,dlrm:loss",
+                                 f"--out={out}"]), (0, ""))
+    rows = quality.summarize(quality.expand_metrics(records, {"dlrm": ["auc", "loss"]}))
+    self.assertEqual([(r["metric"], r["compressor"]) for r in rows],
+                     [("auc", "dense"), ("auc", "dct"), ("loss", "dense"), ("loss", "dct")])
+    self.assertAllClose(rows[3]["final"], 0.505)
+    self.assertAllClose(rows[3]["rel"], 0.01 / 0.495)  # against dense's loss, not its AUC
+    self.assertAllClose(rows[1]["rel"], -0.02 / 0.705)
+    with open(out, encoding="utf-8") as f:
+      text = f.read()
+    self.assertIn("| dlrm | loss (lower better) | adam (0.001) | dct | 0.5050 | +2.0% |", text)
+    self.assertIn("Reported with `--metric=dlrm:auc,dlrm:loss`.", text)
+    self.assertIn("| dlrm | auc (higher better) | adam (0.001) | dct | 0.6850 | -2.8% |", text)
+    code, err = self._main([f"--plot_json={path}", "--metric=dlrm:ndcg@10"])
+    self.assertEqual(code, 2)
+    self.assertIn("--metric: the run dlrm / adam / dense seed 0 kept auc,loss, not 'ndcg@10'",
+                  err)
 
   def test_plot_json_refuses_the_training_flags(self):
     a = self._part("a.json", self._records())

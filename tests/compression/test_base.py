@@ -208,7 +208,7 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.named_parameters(*[(name, name) for name in SPARSE])
   def test_auto_sends_rows_as_tf_does_where_cheaper(self, name):
-    compressor = SPARSE[name]()
+    compressor = SPARSE[name](sparse_gradients="auto")
     if compressor.exchanges_sparse_wire:  # the exact-size payloads below
       compressor.exact_sizes = True
     out, exact, tables, ids = _sparse_run(compressor)
@@ -241,6 +241,19 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     self.assertGreater(np.abs(compressor.state_values(tall)["residual"]).sum(), 0)
     self.assertAllEqual(compressor.state_values(wide)["residual"],
                         np.zeros([REPLICAS, 2000, 8]))
+
+  def test_deft_sends_rows_as_tf_does_by_default(self):
+    # Each DEFT partition is selected from one replica's accumulator, which
+    # holds only the rows its own batches looked up: tables go as rows.
+    for name, make in SPARSE.items():
+      self.assertEqual(make().sparse_gradients, "stock" if name == "DEFT" else "auto", name)
+    compressor = SPARSE["DEFT"]()
+    out, exact, tables, _ = _sparse_run(compressor, steps=1)
+    for name, table in tables.items():
+      self.assertTrue(compressor.sends_as_is(table), name)
+      for r in range(REPLICAS):
+        self.assertAllClose(out[0][r][list(tables).index(name)],
+                            exact[0][list(tables).index(name)], atol=1e-6, rtol=0)
 
   @parameterized.parameters("stock", "compress")
   def test_fixed_choices(self, choice):

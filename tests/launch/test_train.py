@@ -447,6 +447,18 @@ class CompressionExcludeTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(compressor.exclude, ("embedding", "bias$"))
     self.assertEqual(train.make_compressor(_cfg(model="dlrm")).exclude, ())
 
+  def test_compressor_arguments_are_what_make_compressor_builds(self):
+    self.assertEqual(train.compressor_arguments(_cfg(model="dlrm", compression="none")), {})
+    for comp in ("dct", "deft", "topk", "cltk", "threshold"):
+      cfg = _cfg(model="dlrm", compression=comp)
+      arguments = train.compressor_arguments(cfg)
+      compressor = train.make_compressor(cfg)
+      self.assertIn("min_size", arguments)
+      for key, value in arguments.items():
+        self.assertEqual(getattr(compressor, key), value, f"{comp}: {key}")
+    arguments = train.compressor_arguments(_cfg(model="dlrm", compression="dct"))
+    self.assertEqual((arguments["sparsity"], arguments["threshold_life"]), (0.9, 10))
+
   def test_sparsity_schedule_reaches_the_compressor(self):
     compressor = train.make_compressor(_cfg(model="dlrm",
                                             sparsity_schedule=["13:0.75", "13:0.9375"]))
@@ -455,8 +467,14 @@ class CompressionExcludeTest(tf.test.TestCase, parameterized.TestCase):
     self.assertEqual(train.make_compressor(_cfg(model="dlrm")).sparsity_schedule, ())
 
   def test_sparse_gradients_reaches_the_compressor(self):
-    self.assertEqual(train.make_compressor(_cfg(model="dlrm")).sparse_gradients, "auto")
-    for choice in ("stock", "compress"):
+    # Unset: each compressor's own (DEFT's tables as rows), resolved into cfg.
+    for comp in ("dct", "deft", "topk", "cltk", "threshold"):
+      cfg = _cfg(model="dlrm", compression=comp)
+      want = "stock" if comp == "deft" else "auto"
+      self.assertEqual(cfg["sparse_gradients"], want, comp)
+      self.assertEqual(train.make_compressor(cfg).sparse_gradients, want, comp)
+    self.assertIsNone(_cfg(model="dlrm", compression="none")["sparse_gradients"])
+    for choice in ("auto", "stock", "compress"):
       for comp in ("dct", "deft", "topk", "cltk", "threshold"):
         compressor = train.make_compressor(_cfg(model="dlrm", compression=comp,
                                                 sparse_gradients=choice))

@@ -265,9 +265,12 @@ class DEFT(Compressor):
       proportion to their norms summed over replicas). Under momentum and
       Adam the norm split starved layers whose gradients are small and
       trained further behind dense (docs/quality.md).
-    sparse_gradients: "auto" (default), "stock" or "compress": how
-      `tf.IndexedSlices` gradients (embedding rows) are sent; "auto" sends
-      them as TF does where that moves fewer bytes (`Compressor`).
+    sparse_gradients: "stock" (default), "auto" or "compress": how
+      `tf.IndexedSlices` gradients (embedding rows) are sent (`Compressor`).
+      "stock" sends the touched rows as TF does: a table partition is
+      selected from its owner's accumulator, which holds only the rows its
+      own batches looked up, so compressed tables trained behind dense
+      (docs/quality.md).
     dense_gradients: "auto" (default) or "compress": "auto" sends a
       variable with a dense gradient whole (one all-reduce of its
       accumulator, keeping momentum or Adam correction) where that moves no
@@ -298,7 +301,7 @@ class DEFT(Compressor):
                adam_first_moment: str = "replica",
                adagrad: bool | None = False,
                adagrad_accumulator: str = "factored",
-               sparse_gradients: str = "auto",
+               sparse_gradients: str = "stock",
                dense_gradients: str = "auto", budget: str = "size",
                whole_below: int = WHOLE_BELOW, residual_decay: float = 1.0):
     super().__init__(name=name, exclude=exclude,
