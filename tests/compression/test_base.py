@@ -340,6 +340,18 @@ class SparseGradientsTest(tf.test.TestCase, parameterized.TestCase):
     for table in tables.values():
       self.assertFalse(compressor.sends_as_is(table))
 
+  def test_stock_compresses_under_xla_with_a_warning(self):
+    # DEFT's default and an explicit "stock" alike: the step compiles.
+    for compressor in (compression.DEFT(density=0.01),
+                       compression.DCTDP(sparsity=0.99, sparse_gradients="stock")):
+      with self.assertLogs(level="WARNING") as logs:
+        _, _, tables, _ = _sparse_run(compressor, steps=1, jit_compile=True)
+      for table in tables.values():
+        self.assertFalse(compressor.sends_as_is(table))
+      warned = [line for line in logs.output
+                if "under XLA" in line and "sparse_gradients='stock'" in line]
+      self.assertLen(warned, len(tables), logs.output)
+
   @parameterized.named_parameters(*[(name, name) for name in SPARSE])
   def test_bad_sparse_gradients(self, name):
     for bad in ("Auto", "dense", None, True):

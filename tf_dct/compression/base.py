@@ -953,10 +953,15 @@ class Compressor(tf.Module):
     if (not isinstance(grad, tf.IndexedSlices)
         or self.sparse_gradients == "compress"):
       return False
+    if _private.in_xla_context():  # TF's IndexedSlices all-gather has no XLA kernel
+      if self.sparse_gradients == "stock":
+        logging.warning(
+            "tf_dct: %s compresses %r under XLA: TensorFlow's all-gather of "
+            "IndexedSlices rows has no XLA kernel, so sparse_gradients='stock' "
+            "cannot send it as rows", type(self).__name__, variable.name)
+      return False
     if self.sparse_gradients == "stock":
       return True
-    if _private.in_xla_context():  # TF's IndexedSlices all-gather has no XLA kernel
-      return False
     if grad.indices.shape.num_elements() is None:
       logging.warning(
           "tf_dct: %s compresses %r: its IndexedSlices gradient has no static "
