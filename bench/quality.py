@@ -9,7 +9,7 @@ apply. Only the gradient compressor is built here, from a spec string
 arguments; "dense" is the launcher's `--compression=none`): the arguments
 the launcher would pass (`launch.train.compressor_arguments`) with the
 spec's keywords on top, at the default preset's sparsity, density and
-threshold life on local presets too (`DEFAULT_RATES`). It is given to the
+threshold life on local presets too (`RATES`). It is given to the
 job with `Job(cfg, compressor=...)`. Every (model, optimizer, compressor)
 runs once per seed; each run evaluates the model's headline metric
 `--evals` times at equal step intervals (the launcher's `eval_every`).
@@ -163,11 +163,10 @@ MODELS: dict[str, ModelPlan] = {
     "lstm_lm": ModelPlan("local", steps=400, quick_steps=40),
     "transformer": ModelPlan("local", steps=200, quick_steps=40, metric="loss"),
 }
-# The default preset's sparsity, density and threshold life
-# (launch/registry.py COMMON_DEFAULTS), on every run of a local preset too:
-# the local preset loosens them so that a 30-step smoke run learns, and the
-# benchmark measures what a full run sends.
-DEFAULT_RATES = {"sparsity": 0.99, "density": 0.01, "threshold_life": 1000}
+# Settings every run of a local preset takes from the default preset
+# (launch/registry.py COMMON_DEFAULTS): the local preset loosens them so that
+# a 30-step smoke run learns, and the benchmark measures what a full run sends.
+RATES = ("sparsity", "density", "threshold_life")
 DEFAULT_MODELS = ("dlrm", "ncf", "lstm_lm", "transformer")
 DEFAULT_OPTIMIZERS = ("momentum", "adam", "adagrad")
 DEFAULT_COMPRESSORS = ("dense", "dct", "dct_paper")
@@ -183,7 +182,9 @@ class FlagError(ValueError):
 
 def plan_settings(plan: ModelPlan, config: str) -> dict:
   """Launcher settings of every run of `plan` under the preset `config`."""
-  return {**(DEFAULT_RATES if config == "local" else {}), **plan.settings}
+  from launch import registry  # pylint: disable=g-import-not-at-top
+  rates = ({k: registry.COMMON_DEFAULTS[k] for k in RATES} if config == "local" else {})
+  return {**rates, **plan.settings}
 
 
 # --- compressors -----------------------------------------------------------------

@@ -323,9 +323,10 @@ class FlagsTest(parameterized.TestCase):
     self.assertEqual(self._build("dense"), (None, []))
 
   def test_compressors_get_the_launchers_settings_at_the_default_rates(self):
-    from launch import registry  # pylint: disable=g-import-not-at-top
-    self.assertEqual(quality.DEFAULT_RATES,
-                     {k: registry.COMMON_DEFAULTS[k] for k in quality.DEFAULT_RATES})
+    self.assertEqual(quality.plan_settings(quality.MODELS["ncf"], "local"),
+                     {"sparsity": 0.99, "density": 0.01, "threshold_life": 1000})
+    self.assertEqual(quality.plan_settings(quality.MODELS["dlrm"], "default"),
+                     quality.DP_ONLY)
     # A local preset (NCF) runs at the default preset's rates, not the local
     # smoke run's 0.9 / 0.1 / 10.
     comp, _ = self._build("dct")
