@@ -134,6 +134,8 @@ class ModelPlan:
     config: the launcher's --config ("default" or "local").
     steps: training steps of a full run.
     quick_steps: steps of a --quick run (always on the local preset).
+    optimizer_steps: steps of a full run under the optimizers named here
+      instead of `steps` (one that needs longer before dense trains).
     settings: launcher settings set for every run of the model.
     metric: the headline evaluation key; None: the launcher's `spec.metric`.
     ratings: (users, items, ratings per user) of the synthetic MovieLens
@@ -142,6 +144,7 @@ class ModelPlan:
   config: str
   steps: int
   quick_steps: int
+  optimizer_steps: dict = dataclasses.field(default_factory=dict)
   settings: dict = dataclasses.field(default_factory=dict)
   metric: str | None = None
   ratings: tuple | None = None
@@ -153,7 +156,10 @@ class ModelPlan:
 # measured).
 DP_ONLY = {"num_replicas": NUM_CPUS, "num_devices_per_replica": 1, "mp_splits": "none"}
 MODELS: dict[str, ModelPlan] = {
-    "dlrm": ModelPlan("default", steps=240, quick_steps=40, settings=DP_ONLY),
+    # Under momentum SGD and Adagrad dense DLRM is still on its initial
+    # plateau at 240 steps (seeds 0 and 1 end 6-9% apart); at 960 it trains.
+    "dlrm": ModelPlan("default", steps=240, quick_steps=40,
+                      optimizer_steps={"momentum": 960, "adagrad": 960}, settings=DP_ONLY),
     # The launcher's local NCF (MF 8, MLP 16-8, batch 256): the default size
     # needs ~4x the time per step. 943 users and 1682 items as MovieLens-100K,
     # 20 ratings each: ~350 steps per epoch; a model ranking by popularity alone
@@ -185,6 +191,13 @@ def plan_settings(plan: ModelPlan, config: str) -> dict:
   from launch import registry  # pylint: disable=g-import-not-at-top
   rates = ({k: registry.COMMON_DEFAULTS[k] for k in RATES} if config == "local" else {})
   return {**rates, **plan.settings}
+
+
+def plan_steps(plan: ModelPlan, optimizer: str, quick: bool = False) -> int:
+  """Training steps of every run of `plan` under `optimizer`."""
+  if quick:
+    return plan.quick_steps
+  return plan.optimizer_steps.get(optimizer, plan.steps)
 
 
 # --- compressors -----------------------------------------------------------------
@@ -737,7 +750,6 @@ def run(models: Sequence[str], optimizers: Sequence[str], compressors: Sequence[
     for model in models:
       plan = MODELS[model]
       config = "local" if quick else plan.config
-      model_steps = steps or (plan.quick_steps if quick else plan.steps)
       model_data = ""
       if model == "ncf":
         if data_dir:
@@ -747,6 +759,7 @@ def run(models: Sequence[str], optimizers: Sequence[str], compressors: Sequence[
           os.makedirs(model_data, exist_ok=True)
           write_ratings(model_data, *(plan.quick_ratings if quick else plan.ratings))
       for optimizer in optimizers:
+        model_steps = steps or plan_steps(plan, optimizer, quick)
         for compressor in compressors:
           for seed in seeds:
             r = run_one(model, optimizer, compressor, seed, config=config,
@@ -821,7 +834,10 @@ def build_parser() -> argparse.ArgumentParser:
                  f"{','.join(DEFAULT_COMPRESSORS)}")
   p.add_argument("--seeds", default=None, help="comma list of >= 2 seeds; default 0,1")
   p.add_argument("--steps", type=int, default=None,
-                 help="training steps of every run; default per model (MODELS)")
+                 help="training steps of every run; default per model and optimizer (MODELS)")
+  p.add_argument("--learning_rate", type=float, default=None,
+                 help="learning rate of every run; default the launcher's per model, "
+                 "preset and optimizer")
   p.add_argument("--metric", default="",
                  help="comma list of model:key, the evaluation key reported for that "
                  "model instead of its headline metric (e.g. dlrm:loss); a model listed "
@@ -925,6 +941,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     raise FlagError(f"--steps must be >= 1, got {args.steps}")
   if args.evals < 1:
     raise FlagError(f"--evals must be >= 1, got {args.evals}")
+  if args.learning_rate is not None and not (math.isfinite(args.learning_rate)
+                                             and args.learning_rate > 0):
+    raise FlagError(f"--learning_rate must be a finite number > 0, got {args.learning_rate}")
   if args.steps is not None and args.steps < args.evals:
     raise FlagError(f"--steps ({args.steps}) must be >= --evals ({args.evals})")
   if args.data_dir and not os.path.isdir(args.data_dir):
@@ -942,7 +961,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 # Flags --plot_json refuses: they choose what to train.
 TRAINING_FLAGS = ("quick", "models", "optimizers", "compressors", "seeds", "steps",
-                  "evals", "data_dir", "verbose", "json")
+                  "learning_rate", "evals", "data_dir", "verbose", "json")
 OUTPUT_FLAGS = ("--out", "--png", "--json", "--write_docs", "--verbose")
 
 
@@ -1002,6 +1021,8 @@ def train_all(args: argparse.Namespace, argv: Sequence[str]) -> tuple[list[dict]
   records = run(args.model_list, args.optimizer_list, args.compressor_list, args.seed_list,
                 quick=args.quick, steps=args.steps, evals=args.evals,
                 data_dir=args.data_dir,
+                settings=({"learning_rate": args.learning_rate}
+                          if args.learning_rate is not None else None),
                 metrics={model: keys[0] for model, keys in args.metric_map.items()},
                 verbose=args.verbose,
                 log=lambda line: print(line, flush=True))

@@ -216,6 +216,10 @@ class FlagsTest(parameterized.TestCase):
       (["--seeds=0,x"], "comma list of integers"),
       (["--steps=0"], "--steps must be >= 1"),
       (["--evals=0"], "--evals must be >= 1"),
+      (["--learning_rate=0"], "--learning_rate must be a finite number > 0, got 0.0"),
+      (["--learning_rate=nan"], "--learning_rate must be a finite number > 0, got nan"),
+      (["--plot_json=" + __file__, "--learning_rate=0.1"],
+       "--plot_json trains nothing: drop --learning_rate"),
       (["--steps=2", "--evals=3"], "must be >= --evals"),
       (["--models=dlrm", "--data_dir=/"], "has no ncf"),
       (["--metric=dlrm"], "--metric: expected model:key, got 'dlrm'"),
@@ -237,6 +241,26 @@ class FlagsTest(parameterized.TestCase):
     quick = quality.parse_args(["--quick", "--compressors=dct"])
     self.assertEqual(quick.model_list, ["ncf"])
     self.assertEqual(quick.compressor_list, ["dense", "dct"])  # dense always runs
+
+  def test_learning_rate_reaches_every_run(self):
+    seen = []
+
+    def fake_run_one(model, optimizer, compressor, seed, **kwargs):
+      seen.append((model, optimizer, kwargs["steps"], kwargs["settings"].get("learning_rate")))
+      return {"metric": "auc", "final": 0.5, "diverged": None, "payload_ratio": 1.0,
+              "wall_seconds": 0.0}
+
+    args = quality.parse_args(["--models=dlrm", "--optimizers=momentum,adam",
+                               "--compressors=dense", "--learning_rate=0.05"])
+    with mock.patch.object(quality, "run_one", fake_run_one):
+      quality.train_all(args, [])
+    self.assertEqual(seen, [("dlrm", "momentum", 960, 0.05)] * 2
+                     + [("dlrm", "adam", 240, 0.05)] * 2)
+    seen.clear()
+    args = quality.parse_args(["--models=dlrm", "--optimizers=momentum", "--compressors=dense"])
+    with mock.patch.object(quality, "run_one", fake_run_one):
+      quality.train_all(args, [])
+    self.assertEqual(seen, [("dlrm", "momentum", 960, None)] * 2)  # the launcher's own
 
   def test_metric_overrides_the_headline_metric_of_its_model(self):
     self.assertEqual(quality.parse_args([]).metric_map, {})
@@ -343,8 +367,35 @@ class FlagsTest(parameterized.TestCase):
     self.assertEqual(self._build("topk+residual_decay=0.8", "dlrm")[0].residual_decay, 0.8)
     self.assertEqual(self._build("topk", "dlrm", "momentum")[0].momentum, 0.9)
 
+  def test_steps_per_optimizer(self):
+    dlrm = quality.MODELS["dlrm"]
+    self.assertEqual(quality.plan_steps(dlrm, "adam"), dlrm.steps)
+    self.assertEqual(quality.plan_steps(dlrm, "momentum"), 960)
+    self.assertEqual(quality.plan_steps(dlrm, "adagrad"), 960)
+    self.assertEqual(quality.plan_steps(dlrm, "momentum", quick=True), dlrm.quick_steps)
+    self.assertEqual(quality.plan_steps(quality.MODELS["ncf"], "momentum"),
+                     quality.MODELS["ncf"].steps)
+
 
 SETTINGS = {"quick": False, "evals": 2, "data_dir": "", "num_cpus": quality.NUM_CPUS}
+
+
+class DocsResultsTest(tf.test.TestCase):
+  """docs/quality.md's results are the rendering of the runs kept beside them."""
+
+  def test_results_section_renders_from_the_kept_runs(self):
+    runs = os.path.join(quality.REPO_ROOT, "docs", "quality_runs")
+    files = sorted(os.path.join(runs, f) for f in os.listdir(runs) if f.endswith(".json"))
+    self.assertNotEmpty(files)
+    records, command, wall = quality.merge([(f, quality.load_json(f)) for f in files])
+    metric = "dlrm:loss,dlrm:auc"
+    records = quality.expand_metrics(records, quality.parse_metrics(metric, quality.MODELS))
+    markdown = quality.report(quality.summarize(records), command, wall, metric)
+    with open(quality.DOC_PATH, encoding="utf-8") as f:
+      text = f.read()
+    section = text.split(quality.DOC_BEGIN, 1)[1].split(quality.DOC_END, 1)[0]
+    section = section.replace("![metric curves](quality.png)", "")
+    self.assertEqual(section.strip(), markdown.strip())
 
 
 class JsonTest(tf.test.TestCase):
