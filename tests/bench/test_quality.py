@@ -387,10 +387,14 @@ class DocsResultsTest(tf.test.TestCase):
     runs = os.path.join(quality.REPO_ROOT, "docs", "quality_runs")
     files = sorted(os.path.join(runs, f) for f in os.listdir(runs) if f.endswith(".json"))
     self.assertNotEmpty(files)
-    records, command, wall = quality.merge([(f, quality.load_json(f)) for f in files])
-    metric = "dlrm:loss,dlrm:auc"
-    records = quality.expand_metrics(records, quality.parse_metrics(metric, quality.MODELS))
-    markdown = quality.report(quality.summarize(records), command, wall, metric)
+    out = os.path.join(self.create_tempdir().full_path, "report.md")
+    # The command docs/quality.md gives, with --out instead of --write_docs.
+    with contextlib.redirect_stdout(io.StringIO()):
+      code = quality.main([f"--plot_json={','.join(files)}", "--metric=dlrm:loss,dlrm:auc",
+                           f"--out={out}"])
+    self.assertEqual(code, 0)
+    with open(out, encoding="utf-8") as f:
+      markdown = f.read()
     with open(quality.DOC_PATH, encoding="utf-8") as f:
       text = f.read()
     section = text.split(quality.DOC_BEGIN, 1)[1].split(quality.DOC_END, 1)[0]
