@@ -45,6 +45,14 @@ def local(strategy, value):
           for v in strategy.experimental_local_results(value)]
 
 
+def graph_ops(function) -> list[str]:
+  """Op types of `function`'s graph, with those of its nested functions
+  (`tf.cond` branches, inner tf.functions)."""
+  graph = function.get_concrete_function().graph.as_graph_def()
+  return [n.op for n in graph.node] + [
+      n.op for f in graph.library.function for n in f.node_def]
+
+
 def squared_error_step(model, optimizer, batch_size: int, before=None):
   """A replica's step function: summed squared error over `batch_size`
   (the global batch), gradients applied with `optimizer`; returns the loss.

@@ -599,9 +599,7 @@ class NativeTest(tf.test.TestCase, parameterized.TestCase):
         repl, step_fn, _, history = harness.run(compressor, grads, 2,
                                                 shapes=shapes)
       step = repl._steps[(step_fn, next(iter(repl._inputs)))]  # pylint: disable=protected-access
-      graph = step.get_concrete_function().graph.as_graph_def()
-      kinds = [n.op for n in graph.node] + [  # with the branches of tf.cond
-          n.op for f in graph.library.function for n in f.node_def]
+      kinds = util.graph_ops(step)  # with the branches of tf.cond
       runs[native] = (history, compressor.communication_stats(), kinds)
     self.assertNotIn("TfDctSelect", runs[False][2])
     # One op per replica selects all four variables, refreshes included.

@@ -107,6 +107,40 @@ class RunTest(tf.test.TestCase):
       self.assertAllEqual(out[r][0], [[1.0, 1.0]])
       self.assertAllEqual(out[r][1], [r])
 
+  def test_failed_step_reads_one_element_on_every_replica(self):
+    """Every replica reads its element in a call of its own, before the step.
+
+    An error in the step (replica 1's element is bad at step 1) then cannot
+    cancel replica 0's pending read, which would leave replica 0 an element
+    behind replica 1 from then on, or end a prefetching iterator early. That
+    race is rare, so the step's graph is checked for reads too.
+    """
+    repl = tf_dct.Replicator(util.setup_cpus()[:2],
+                             input_replication=tf_dct.PER_REPLICA)
+    steps = 4
+
+    def input_fn(replica_id):
+      values = np.ones(steps, np.float32)
+      if replica_id == 1:
+        values[1] = np.nan
+      return tf.data.Dataset.from_tensor_slices(
+          (np.arange(steps, dtype=np.float32), values)).prefetch(2)
+
+    def step_fn(element):
+      index, value = element
+      return index + 0.0 * tf.debugging.check_numerics(value, "bad input")
+
+    self.assertAllEqual(util.local(repl, repl.run(step_fn, input_fn)), [0, 0])
+    with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "bad input"):
+      repl.run(step_fn, input_fn)
+    for t in (2, 3):
+      self.assertAllEqual(util.local(repl, repl.run(step_fn, input_fn)),
+                          [t, t], msg=f"step {t}")
+    step = repl._steps[(step_fn, input_fn)]  # pylint: disable=protected-access
+    self.assertEqual(util.graph_ops(step.read).count("IteratorGetNext"), 2)
+    self.assertNotIn("IteratorGetNext", util.graph_ops(step))
+    self.assertIn("CheckNumerics", util.graph_ops(step))
+
   def test_custom_split_fn_time_major(self):
     def split_time_major(element, n):
       return tf.split(element, n, axis=1)  # [time, batch] -> batch pieces

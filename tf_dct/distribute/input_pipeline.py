@@ -82,6 +82,18 @@ class ReplicatedInput:
       self._sources = [
           _as_source(input_fn(first_replica_id + i), "input_fn")
           for i in range(num_local_replicas)]
+    # Reading is a function call of its own, made before the step runs: an
+    # error in the step (one replica's non-finite check, say) then cannot
+    # cancel another replica's read half-way, which would leave that replica
+    # an element behind, or end a prefetching iterator early.
+    self.read = tf.function(self.next_pieces)
+
+  @property
+  def spec(self) -> list:
+    """The type specs of `read()`'s output, e.g. a step's input_signature."""
+    return tf.nest.map_structure(
+        tf.type_spec_from_value,
+        self.read.get_concrete_function().structured_outputs)
 
   def next_pieces(self) -> Sequence[Any]:
     """One nested element per local replica, for the next step."""

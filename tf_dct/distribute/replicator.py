@@ -81,6 +81,24 @@ def group_devices(devices: Sequence[str], num_devices_per_replica: int
   return [devices[i:i + k] for i in range(0, len(devices), k)]
 
 
+class _ReadThenCompute:
+  """One `run(step_fn, input_fn)` step: `read()` every replica's element, then
+  `compute(pieces)` (two calls; see `input_pipeline.ReplicatedInput.read`).
+
+  `replicated_step` is what runs step_fn on the replicas (XLA-compiled under
+  `jit_compile=True`).
+  """
+
+  def __init__(self, read, compute, replicated_step):
+    self.read, self.compute, self.replicated_step = read, compute, replicated_step
+
+  def __call__(self):
+    return self.compute(self.read())
+
+  def get_concrete_function(self):
+    return self.compute.get_concrete_function()
+
+
 class ReplicatorMixin:
   """The TF-Replicator API shared by every replicator kind."""
 
@@ -242,16 +260,17 @@ class ReplicatorMixin:
     if self._jit_compile:  # XLA takes the step; the input pipeline stays outside
       replicated = tf.function(replicated, jit_compile=True)
 
-    def one_step():
-      pieces = source.next_pieces()
+    def one_step(pieces):
+      with tf.device("/cpu:0"):  # where read() placed them (an argument has no
+        pieces = tf.nest.map_structure(tf.identity, pieces)  # device of its own)
       inputs = self.experimental_distribute_values_from_function(
           lambda ctx: pieces[ctx.replica_id_in_sync_group - first])
       return replicated(inputs)
 
-    compiled = tf.function(one_step)
-    compiled.replicated_step = replicated
+    step = _ReadThenCompute(source.read, tf.function(
+        one_step, input_signature=[source.spec]), replicated)
     with self._cache_lock:
-      return self._steps.setdefault(key, compiled)
+      return self._steps.setdefault(key, step)
 
   # --- primitives (TF-Replicator §3.4; semantics in tf_dct.distribute.primitives) -----------
 
