@@ -69,6 +69,9 @@ class ModelSpec:
     learning_rates: {optimizer: learning rate} of the default preset, one
       entry per OPTIMIZERS value.
     local_learning_rates: the same for `--config=local`.
+    min_counts: {compression: floor} of the default preset, the
+      `--min_count` of a sparsifier when neither the flag nor `defaults`
+      sets one; a sparsifier not listed keeps its own floor.
     metric: the headline metric key of `evaluate`'s result.
     has_splits: whether `build_model` takes `split_fn` (DCT-MP split points).
     paper_splits: what `--mp_splits=paper` means (DCT §3.1 / §3.2).
@@ -89,6 +92,7 @@ class ModelSpec:
   local: dict = dataclasses.field(default_factory=dict)
   learning_rates: dict = dataclasses.field(default_factory=dict)
   local_learning_rates: dict = dataclasses.field(default_factory=dict)
+  min_counts: dict = dataclasses.field(default_factory=dict)
   metric: str = "loss"
   has_splits: bool = False
   paper_splits: tuple[str, ...] = ()
@@ -324,6 +328,10 @@ SPECS: dict[str, ModelSpec] = {
                         "adagrad": 0.2},
         local_learning_rates={"sgd": 0.5, "momentum": 0.05, "adam": 0.02, "adamw": 0.02,
                               "adagrad": 0.1},
+        # TopK with DCT-DP's floor of 64 entries per variable and step: under
+        # momentum SGD its evaluation loss ends closer to dense's than with
+        # TopK's own 8; DEFT ends further behind with 64 (docs/quality.md).
+        min_counts={"topk": 64},
         metric="auc", has_splits=True, paper_splits=("bottom_1", "top_1"),
         top_level_splits=True, fit_metrics=_dlrm_metrics, checkpoint_input=True,
         build_fn=_dlrm_build, dataset_fn=_dlrm_dataset, evaluate_fn=_dlrm_evaluate,

@@ -402,7 +402,7 @@ def resolve(config: ml_collections.ConfigDict, given: dict | None = None,
 
   Returns:
     A flat dict: one key per flag, the config's sections (`model_kwargs`,
-    `data`, `eval`, `split`), `learning_rates`, and `explicit`, the settings
+    `data`, `eval`, `split`), `learning_rates`, `min_counts`, and `explicit`, the settings
     given by a flag, an override or a config file that differs from the
     model's own.
 
@@ -447,6 +447,9 @@ def resolve(config: ml_collections.ConfigDict, given: dict | None = None,
                       f"config's learning_rates ({', '.join(cfg['learning_rates'])}); give "
                       "--learning_rate")
     cfg["learning_rate"] = cfg["learning_rates"][cfg["optimizer"]]
+  cfg["min_counts"] = config.get("min_counts", builtin.min_counts).to_dict()
+  if cfg.get("min_count") is None:  # the model's floor for this sparsifier, if any
+    cfg["min_count"] = cfg["min_counts"].get(cfg.get("compression"))
   cfg["explicit"] = frozenset(explicit)
   validate(cfg)
   return cfg
@@ -495,6 +498,7 @@ def config_of(cfg: dict) -> ml_collections.ConfigDict:
   for section, key in SECTION_KEYS.items():
     config[section] = dict(cfg[key])
   config.learning_rates = dict(cfg["learning_rates"])
+  config.min_counts = dict(cfg.get("min_counts") or {})
   return config
 
 
@@ -599,6 +603,12 @@ def validate(cfg: dict) -> None:
           inspect.signature(cls).parameters["sparse_gradients"].default)
   if comp not in SPARSIFIERS and "min_count" not in cfg.get("explicit", ()):
     cfg["min_count"] = None  # a model's preset floor applies to the sparsifiers only
+  for name, floor in (cfg.get("min_counts") or {}).items():
+    if name not in SPARSIFIERS:
+      raise FlagError(f"--config.min_counts.{name}: {name!r} is not a compressor with a "
+                      f"floor; expected one of {'/'.join(SPARSIFIERS)}")
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
+      raise FlagError(f"--config.min_counts.{name} must be an int >= 0, got {floor!r}")
   min_count = cfg.get("min_count")
   if min_count is not None:
     if comp not in SPARSIFIERS:

@@ -165,7 +165,36 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
     self.assertEqual(train.make_compressor(_cfg(
         model="ncf", config="local", compression=compression)).min_count, default)
     self.assertEqual(train.make_compressor(_cfg(
-        model="dlrm", compression=compression)).min_count, default)
+        model="dlrm", config="local", compression=compression)).min_count, default)
+
+  @parameterized.parameters(*train.SPARSIFIERS)
+  def test_dlrm_default_preset_floor_per_sparsifier(self, compression):
+    # DLRM's default preset gives TopK a floor of 64 (`min_counts`); DCT-DP
+    # and DEFT keep their own, and so does every sparsifier of its local preset.
+    cls = getattr(tf_dct.compression, train.COMPRESSOR_CLASSES[compression])
+    default = inspect.signature(cls).parameters["min_count"].default
+    want = 64 if compression == "topk" else default
+    self.assertEqual(train.make_compressor(_cfg(
+        model="dlrm", compression=compression)).min_count, want)
+    self.assertEqual(train.make_compressor(_cfg(
+        model="dlrm", compression=compression, min_count=3)).min_count, 3)
+    self.assertEqual(train.make_compressor(_cfg(
+        model="dlrm", config="local", compression=compression)).min_count, default)
+
+  def test_min_counts_from_the_config(self):
+    config = train.load_config("default", "dlrm")
+    config.min_counts.deft = 16
+    cfg = train.resolve(config, {"compression": "deft"})
+    self.assertEqual(train.make_compressor(cfg).min_count, 16)
+    self.assertEqual(train.config_of(cfg).min_counts.to_dict(), {"topk": 64, "deft": 16})
+    self.assertIsNone(train.resolve(config, {"compression": "none"})["min_count"])
+    for name, value, message in (
+        ("cltk", 8, r"--config.min_counts.cltk: 'cltk' is not a compressor with a floor"),
+        ("topk", -1, r"--config.min_counts.topk must be an int >= 0, got -1")):
+      bad = train.load_config("default", "dlrm")
+      bad.min_counts[name] = value
+      with self.assertRaisesRegex(train.FlagError, message):
+        train.resolve(bad, {"compression": "topk"})
 
   def test_ncf_default_preset_floor_is_dropped_without_a_sparsifier(self):
     for comp in ("none", "cltk", "threshold"):
