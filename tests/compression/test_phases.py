@@ -72,12 +72,10 @@ def _collectives(compressor, phase):
                            spy("all_gather")), \
          mock.patch.object(tf.distribute.ReplicaContext, "all_reduce",
                            spy("all_reduce")):
-      graph = step.get_concrete_function().graph.as_graph_def()
+      ops = util.graph_ops(step)
   finally:
     compressor.phase = None
-  nodes = list(graph.node) + [n for f in graph.library.function
-                              for n in f.node_def]
-  reduce_ops = sum(1 for n in nodes if n.op == "CollectiveReduceV2")
+  reduce_ops = ops.count("CollectiveReduceV2")
   return reduce_ops, calls["all_gather"], calls["all_reduce"]
 
 

@@ -27,6 +27,9 @@ class InputReplication(enum.Enum):
 PER_WORKER = InputReplication.PER_WORKER
 PER_REPLICA = InputReplication.PER_REPLICA
 
+# Where a Dataset's iterator, and so every element read from it, lives.
+INPUT_DEVICE = "/cpu:0"
+
 
 def split_batch(element, num_splits: int) -> list:
   """Splits every tensor of `element` evenly along its leading dimension."""
@@ -58,7 +61,7 @@ def split_batch(element, num_splits: int) -> list:
 def _as_source(obj, what: str) -> Callable[[], Any]:
   """Turns what input_fn returned into a no-arg 'next element' callable."""
   if isinstance(obj, tf.data.Dataset):
-    with tf.init_scope(), tf.device("/cpu:0"):
+    with tf.init_scope(), tf.device(INPUT_DEVICE):
       iterator = iter(obj)
     return lambda: next(iterator)
   if callable(obj):

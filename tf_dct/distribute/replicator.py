@@ -261,8 +261,10 @@ class ReplicatorMixin:
       replicated = tf.function(replicated, jit_compile=True)
 
     def one_step(pieces):
-      with tf.device("/cpu:0"):  # where read() placed them (an argument has no
-        pieces = tf.nest.map_structure(tf.identity, pieces)  # device of its own)
+      # An argument has no device of its own; MultiWorkerMirrored's all_reduce
+      # needs one on its inputs. Put them where read() left them.
+      with tf.device(input_pipeline.INPUT_DEVICE):
+        pieces = tf.nest.map_structure(tf.identity, pieces)
       inputs = self.experimental_distribute_values_from_function(
           lambda ctx: pieces[ctx.replica_id_in_sync_group - first])
       return replicated(inputs)
