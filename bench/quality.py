@@ -19,6 +19,9 @@ Reported per (model, optimizer, compressor), means over the seeds:
   final     the metric after the last step.
   vs dense  (final - dense final) / dense final; the sign is the metric's
             (for perplexity and loss, + is worse).
+  s.e.      the standard error of "vs dense" (`relative_se`): from the
+            per-seed gaps when dense ran the same seeds, else from the two
+            sets' sample variances.
   dense spread  (max - min) / mean of dense's finals over the seeds.
   verdict   "within" when the compressed mean lies inside dense's seed range
             [min, max]; otherwise "better" or "worse" (the metric's
@@ -358,6 +361,41 @@ def _mean(xs):
   return sum(xs) / len(xs) if xs else math.nan
 
 
+def _variance(xs):
+  """The sample variance (n - 1 in the denominator); nan below two values."""
+  if len(xs) < 2:
+    return math.nan
+  m = _mean(xs)
+  return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
+def relative_se(finals: Sequence[float], dense_finals: Sequence[float],
+                seeds: Sequence[int] | None = None,
+                dense_seeds: Sequence[int] | None = None) -> float:
+  """The standard error of `relative(mean(finals), mean(dense_finals))`.
+
+  Paired when both ran the same seeds, once each (a seed fixes the initial
+  weights, the data order and the evaluation data of both runs): the
+  per-seed gaps (final - dense final) / |dense mean| have that relative gap
+  as their mean, and its standard error is their sample deviation over
+  sqrt(n). Otherwise the two sets are independent: sqrt(s_c^2 / n_c +
+  s_d^2 / n_d) / |dense mean| from their sample variances (dense's mean
+  taken as exact in the denominator). nan with fewer than two finals on
+  either side.
+  """
+  dense_mean = _mean(dense_finals)
+  if not dense_mean or math.isnan(dense_mean):
+    return math.nan
+  if (seeds is not None and dense_seeds is not None and len(seeds) == len(finals)
+      and len(dense_seeds) == len(dense_finals) and len(set(seeds)) == len(seeds)
+      and sorted(seeds) == sorted(dense_seeds)):
+    dense_of = dict(zip(dense_seeds, dense_finals))
+    gaps = [(f - dense_of[s]) / abs(dense_mean) for s, f in zip(seeds, finals)]
+    return math.sqrt(_variance(gaps) / len(gaps))
+  return math.sqrt(_variance(finals) / len(finals) + _variance(dense_finals)
+                   / len(dense_finals)) / abs(dense_mean)
+
+
 def relative(value: float, reference: float) -> float:
   """(value - reference) / |reference| (nan when either is nan or reference is 0)."""
   if math.isnan(value) or math.isnan(reference) or reference == 0:
@@ -371,7 +409,8 @@ def summarize(records: Sequence[dict]) -> list[dict]:
   the order first seen in `records`.
 
   Each row: model, optimizer, compressor, metric, lower_is_better, seeds,
-  finals (per seed), final (mean), rel (vs dense's mean), dense_spread
+  finals (per seed), final (mean), rel (vs dense's mean), rel_se (its
+  standard error, `relative_se`; nan for dense), dense_spread
   ((max - min) / mean of dense's finals), within (inside dense's [min, max]),
   verdict, curve {step: mean}, curve_rel {step: rel vs dense at that step},
   worst_rel (the most adverse of curve_rel), payload_ratio and
@@ -398,6 +437,9 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     else:
       dense_mean = lo = hi = spread = math.nan
     rel = relative(final, dense_mean)
+    rel_se = (relative_se(finals, dense_finals, [r["seed"] for r in runs],
+                          [r["seed"] for r in dense])
+              if compressor != "dense" and not math.isnan(rel) else math.nan)
     if math.isnan(final) or math.isnan(dense_mean):
       within, verdict = None, "diverged" if math.isnan(final) else "-"
     else:
@@ -420,7 +462,8 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     rows.append({
         "model": model, "optimizer": optimizer, "compressor": compressor,
         "metric": metric, "lower_is_better": lower, "seeds": [r["seed"] for r in runs],
-        "finals": finals, "final": final, "rel": rel, "dense_spread": spread,
+        "finals": finals, "final": final, "rel": rel, "rel_se": rel_se,
+        "dense_spread": spread,
         "within": within, "verdict": verdict, "curve": curve, "curve_rel": curve_rel,
         "worst_rel": worst, "payload_ratio": _mean(ratios) if ratios else None,
         "stock_payload_ratio": _mean(stock) if stock else None,
@@ -463,17 +506,19 @@ def _ratio(x: float | None) -> str:
 
 def results_table(rows: Sequence[dict]) -> str:
   """The main markdown table (one line per row of `summarize`)."""
-  lines = ["| model | metric | optimizer (lr) | compressor | final (mean) | vs dense | "
-           "dense spread | verdict | worst point | payload vs stock TF | "
+  lines = ["| model | metric | optimizer (lr) | compressor | seeds | final (mean) | "
+           "vs dense | s.e. | dense spread | verdict | worst point | payload vs stock TF | "
            "payload vs densified | dense layers |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     dense = r["compressor"] == "dense"
     direction = "lower better" if r["lower_is_better"] else "higher better"
     lines.append(
         f"| {r['model']} | {r['metric']} ({direction}) | {r['optimizer']} "
-        f"({r['learning_rate']:g}) | {r['compressor']} | {_num(r['final'])} | "
-        f"{'-' if dense else _pct(r['rel'])} | {_pct(r['dense_spread'])[1:]} | "
+        f"({r['learning_rate']:g}) | {r['compressor']} | {len(r['seeds'])} | "
+        f"{_num(r['final'])} | {'-' if dense else _pct(r['rel'])} | "
+        f"{'-' if dense else _pct(r.get('rel_se', math.nan)).lstrip('+')} | "
+        f"{_pct(r['dense_spread'])[1:]} | "
         f"{'-' if dense else r['verdict']} | {'-' if dense else _pct(r['worst_rel'])} | "
         f"{_ratio(r.get('stock_payload_ratio'))} | {_ratio(r['payload_ratio'])} | "
         f"{_ratio(r['layer_payload_ratio'])} |")
@@ -534,7 +579,11 @@ def report(rows: Sequence[dict], command: str | Sequence[str], wall: float,
   reported = f" Reported with `--metric={metric}`." if metric else ""
   parts = [origin + f"its CPU split into {NUM_CPUS} logical devices).{reported}", "",
            "Finals are means over the seeds; \"vs dense\" and \"worst point\" are relative "
-           "to dense's mean at the same step (the metric's sign); \"payload\" is what "
+           "to dense's mean at the same step (the metric's sign); \"s.e.\" is the "
+           "standard error of \"vs dense\", from the per-seed gaps where dense ran the "
+           "same seeds (a seed fixes both runs' initial weights and data), else from "
+           "the two sets' sample variances: a gap of less than about two of them is "
+           "not told apart from seed noise; \"payload\" is what "
            "one replica would send without tf-dct / what it sends per step: \"vs stock "
            "TF\" prices dense gradients all-reduced and embedding gradients as TF's "
            "IndexedSlices all-gather, \"vs densified\" every gradient all-reduced whole; "

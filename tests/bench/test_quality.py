@@ -10,6 +10,7 @@ import re
 from unittest import mock
 
 from absl.testing import parameterized
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -71,6 +72,9 @@ class SummaryTest(tf.test.TestCase):
     self.assertAlmostEqual(dct["payload_ratio"], 35.0, places=12)
     self.assertAlmostEqual(dct["layer_payload_ratio"], 5.0, places=12)
     self.assertEqual(dct["seeds"], [0, 1])
+    # Paired by seed: gaps +0.02 and -0.04 (over 0.55), deviations 0.03.
+    self.assertAlmostEqual(dct["rel_se"], 0.03 / 0.55, places=12)
+    self.assertTrue(math.isnan(dense["rel_se"]))
     paper = rows["adam", "dct_paper"]
     self.assertAlmostEqual(paper["rel"], (0.41 - 0.55) / 0.55, places=12)
     self.assertFalse(paper["within"])
@@ -130,6 +134,27 @@ class SummaryTest(tf.test.TestCase):
     self.assertTrue(math.isnan(row["dense_spread"]))
     self.assertIsNone(row["within"])
 
+  def test_standard_error_is_paired_by_seed_against_numpy(self):
+    dense, dct = [0.50, 0.49, 0.53, 0.52], [0.52, 0.50, 0.53, 0.55]
+    order = [2, 0, 3, 1]  # the compressed runs listed in another order
+    rows = _rows([_record("dense", i, f, metric="loss") for i, f in enumerate(dense)]
+                 + [_record("dct", i, dct[i], metric="loss") for i in order])
+    gaps = (np.array(dct) - np.array(dense)) / np.mean(dense)
+    self.assertAlmostEqual(rows["adam", "dct"]["rel"], float(np.mean(gaps)), places=12)
+    self.assertAlmostEqual(rows["adam", "dct"]["rel_se"],
+                           float(np.std(gaps, ddof=1) / np.sqrt(4)), places=12)
+
+  def test_standard_error_of_unpaired_seeds_against_numpy(self):
+    dense, topk = [0.50, 0.49, 0.53], [0.51, 0.55]
+    rows = _rows([_record("dense", i, f, metric="loss") for i, f in enumerate(dense)]
+                 + [_record("topk", i, f, metric="loss") for i, f in enumerate(topk)])
+    want = np.sqrt(np.var(topk, ddof=1) / 2 + np.var(dense, ddof=1) / 3) / np.mean(dense)
+    self.assertAlmostEqual(rows["adam", "topk"]["rel_se"], float(want), places=12)
+    self.assertEqual(rows["adam", "topk"]["seeds"], [0, 1])
+    # One seed on a side leaves no variance to estimate.
+    self.assertTrue(math.isnan(quality.relative_se([0.5], dense)))
+    self.assertTrue(math.isnan(quality.relative_se(topk, [0.5])))
+
   def test_relative(self):
     self.assertEqual(quality.relative(0.75, 0.5), 0.5)
     self.assertEqual(quality.relative(-0.75, -0.5), -0.5)  # relative to |reference|
@@ -166,11 +191,12 @@ class TablesTest(tf.test.TestCase):
   def test_results_table(self):
     lines = quality.results_table(self._rows()).splitlines()
     self.assertLen(lines, 4)
-    self.assertEqual(lines[0].count("|"), 13)
-    self.assertEqual(lines[2], "| ncf | hr@10 (higher better) | adam (0.001) | dense | 0.6000 | - "
-                               "| 33.3% | - | - | 1.0x | 2.0x | 1.0x |")
-    self.assertEqual(lines[3], "| ncf | hr@10 (higher better) | adam (0.001) | dct | 0.4500 | "
-                               "-25.0% | 33.3% | worse | -30.0% | 19.0x | 37.0x | 9.0x |")
+    self.assertEqual(lines[0].count("|"), 15)
+    self.assertEqual(lines[2], "| ncf | hr@10 (higher better) | adam (0.001) | dense | 2 | 0.6000 "
+                               "| - | - | 33.3% | - | - | 1.0x | 2.0x | 1.0x |")
+    # s.e., paired by seed: gaps -0.1 and -0.2 (over 0.6), deviations 0.05: 8.3%.
+    self.assertEqual(lines[3], "| ncf | hr@10 (higher better) | adam (0.001) | dct | 2 | 0.4500 | "
+                               "-25.0% | 8.3% | 33.3% | worse | -30.0% | 19.0x | 37.0x | 9.0x |")
 
   def test_curves_table_and_report(self):
     curves = quality.curves_table(self._rows())
@@ -529,9 +555,11 @@ class JsonTest(tf.test.TestCase):
     self.assertAllClose(rows[1]["rel"], -0.02 / 0.705)
     with open(out, encoding="utf-8") as f:
       text = f.read()
-    self.assertIn("| dlrm | loss (lower better) | adam (0.001) | dct | 0.5050 | +2.0% |", text)
+    self.assertIn("| dlrm | loss (lower better) | adam (0.001) | dct | 2 | 0.5050 | +2.0% | 0.0% |",
+                  text)
     self.assertIn("Reported with `--metric=dlrm:auc,dlrm:loss`.", text)
-    self.assertIn("| dlrm | auc (higher better) | adam (0.001) | dct | 0.6850 | -2.8% |", text)
+    self.assertIn("| dlrm | auc (higher better) | adam (0.001) | dct | 2 | 0.6850 | -2.8% | 0.0% |",
+                  text)
     code, err = self._main([f"--plot_json={path}", "--metric=dlrm:ndcg@10"])
     self.assertEqual(code, 2)
     self.assertIn("--metric: the run dlrm / adam / dense seed 0 kept auc,loss, not 'ndcg@10'",
