@@ -249,6 +249,11 @@ flags.DEFINE_boolean("momentum_correction", True,
                      "keeps the momentum of its own gradients in the compressor (DGC momentum "
                      "correction) and the compressed variables are updated as plain SGD. "
                      "false: the optimizer's momentum acts on the compressed aggregate.")
+flags.DEFINE_boolean("momentum_masking", None,
+                     "With --optimizer=momentum, --compression=dct/deft/topk and momentum "
+                     "correction: zero a replica's velocity where it sent an entry (DGC's "
+                     "momentum factor masking). Default: the compressor's (off); on for deft "
+                     "on dlrm's default preset.")
 flags.DEFINE_boolean("adam_correction", True,
                      "With --optimizer=adam/adamw and --compression=dct/deft/topk: the "
                      "compressor runs Adam itself, its second moment fed every step by a small "
@@ -402,7 +407,7 @@ def resolve(config: ml_collections.ConfigDict, given: dict | None = None,
 
   Returns:
     A flat dict: one key per flag, the config's sections (`model_kwargs`,
-    `data`, `eval`, `split`), `learning_rates`, `min_counts`, and `explicit`, the settings
+    `data`, `eval`, `split`), `learning_rates`, `compression_settings`, and `explicit`, the settings
     given by a flag, an override or a config file that differs from the
     model's own.
 
@@ -447,9 +452,12 @@ def resolve(config: ml_collections.ConfigDict, given: dict | None = None,
                       f"config's learning_rates ({', '.join(cfg['learning_rates'])}); give "
                       "--learning_rate")
     cfg["learning_rate"] = cfg["learning_rates"][cfg["optimizer"]]
-  cfg["min_counts"] = config.get("min_counts", builtin.min_counts).to_dict()
-  if cfg.get("min_count") is None:  # the model's floor for this sparsifier, if any
-    cfg["min_count"] = cfg["min_counts"].get(cfg.get("compression"))
+  cfg["compression_settings"] = config.get("compression_settings",
+                                          builtin.compression_settings).to_dict()
+  preset = cfg["compression_settings"].get(cfg.get("compression"))
+  for name, value in (preset if isinstance(preset, dict) else {}).items():
+    if cfg.get(name) is None:  # the model's setting for this sparsifier
+      cfg[name] = value
   cfg["explicit"] = frozenset(explicit)
   validate(cfg)
   return cfg
@@ -498,7 +506,8 @@ def config_of(cfg: dict) -> ml_collections.ConfigDict:
   for section, key in SECTION_KEYS.items():
     config[section] = dict(cfg[key])
   config.learning_rates = dict(cfg["learning_rates"])
-  config.min_counts = dict(cfg.get("min_counts") or {})
+  config.compression_settings = {name: dict(settings) for name, settings
+                                 in (cfg.get("compression_settings") or {}).items()}
   return config
 
 
@@ -601,14 +610,18 @@ def validate(cfg: dict) -> None:
     if cls is not None:
       cfg["sparse_gradients"] = (
           inspect.signature(cls).parameters["sparse_gradients"].default)
+  _check_compression_settings(cfg.get("compression_settings") or {})
   if comp not in SPARSIFIERS and "min_count" not in cfg.get("explicit", ()):
     cfg["min_count"] = None  # a model's preset floor applies to the sparsifiers only
-  for name, floor in (cfg.get("min_counts") or {}).items():
-    if name not in SPARSIFIERS:
-      raise FlagError(f"--config.min_counts.{name}: {name!r} is not a compressor with a "
-                      f"floor; expected one of {'/'.join(SPARSIFIERS)}")
-    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
-      raise FlagError(f"--config.min_counts.{name} must be an int >= 0, got {floor!r}")
+  masks = cfg["optimizer"] == "momentum" and comp in SPARSIFIERS and cfg.get(
+      "momentum_correction", True)
+  if "momentum_masking" in cfg.get("explicit", ()) and not masks:
+    raise FlagError("--momentum_masking applies to --optimizer=momentum with "
+                    f"--compression={'/'.join(SPARSIFIERS)} and --momentum_correction on; "
+                    f"this run has --optimizer={cfg['optimizer']} --compression={comp} "
+                    f"--momentum_correction={str(cfg.get('momentum_correction', True)).lower()}")
+  if not masks:
+    cfg["momentum_masking"] = None  # a model's preset masking needs momentum correction
   min_count = cfg.get("min_count")
   if min_count is not None:
     if comp not in SPARSIFIERS:
@@ -709,6 +722,29 @@ def validate(cfg: dict) -> None:
                     "this checkout yet")
 
 
+def _check_compression_settings(table: dict) -> None:
+  """Raises FlagError unless `table` is {sparsifier: {setting: value}} with
+  the settings and types of `registry.PRESET_COMPRESSION_SETTINGS`."""
+  allowed = registry.PRESET_COMPRESSION_SETTINGS
+  for name, settings in table.items():
+    where = f"--config.compression_settings.{name}"
+    if name not in SPARSIFIERS:
+      raise FlagError(f"{where}: {name!r} is not a sparsifier; expected one of "
+                      f"{'/'.join(SPARSIFIERS)}")
+    if not isinstance(settings, dict):
+      raise FlagError(f"{where} must be a table of settings ({', '.join(allowed)}), "
+                      f"got {settings!r}")
+    for key, value in settings.items():
+      if key not in allowed:
+        raise FlagError(f"{where}.{key}: not a setting a preset may give; expected one "
+                        f"of {', '.join(allowed)}")
+      if allowed[key] is bool and not isinstance(value, bool):
+        raise FlagError(f"{where}.{key} must be true or false, got {value!r}")
+      if allowed[key] is int and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+        raise FlagError(f"{where}.{key} must be an int >= 0, got {value!r}")
+
+
 def make_compressor(cfg: dict, cls: type | None = None):
   """The `tf_dct.compression` object of `--compression` (None for 'none').
 
@@ -752,6 +788,8 @@ def compressor_arguments(cfg: dict) -> dict:
       # plain SGD; variables left dense (excluded, below --min_size) keep the
       # optimizer's momentum.
       common["momentum"] = MOMENTUM if cfg.get("momentum_correction", True) else 0.0
+      if cfg.get("momentum_masking") is not None and common["momentum"]:
+        common["momentum_masking"] = cfg["momentum_masking"]
     if cfg["optimizer"] in ADAM_OPTIMIZERS:
       # None: the compressor takes Adam's hyper-parameters from the optimizer.
       corrected = adam_correction(cfg)
@@ -1450,6 +1488,8 @@ def print_table(s: dict, cfg: dict) -> None:
     if cfg["optimizer"] == "momentum":
       options.append("momentum correction" if cfg.get("momentum_correction", True)
                      else "no momentum correction")
+      if cfg.get("momentum_masking"):
+        options.append("momentum factor masking")
     if cfg["optimizer"] in ADAM_OPTIMIZERS:
       options.append("Adam correction" if s.get("adam_correction")
                      else "no Adam correction")

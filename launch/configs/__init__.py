@@ -20,8 +20,9 @@ Every config has the same fields:
   of it), with the model's value;
 * `learning_rate` (None: `learning_rates[optimizer]`) and `learning_rates`,
   a rate that trains for every optimizer;
-* `min_counts`: {compression: floor}, the sparsifier's `min_count` when
-  `min_count` is None (default preset only; empty for most models).
+* `compression_settings`: {compression: {setting: value}}, what a
+  sparsifier takes for `min_count` or `momentum_masking` when that field is
+  None (default preset only; empty for most models).
 
 The training settings come from the tables of `launch/registry.py`; the
 model files add the dimensions.
@@ -106,8 +107,9 @@ def base(model: str, preset_name: str) -> ml_collections.ConfigDict:
                     if value is None else value)
   config.learning_rate = config_dict.placeholder(float)
   config.learning_rates = ml_collections.ConfigDict(dict(table))
-  config.min_counts = ml_collections.ConfigDict(
-      dict(spec.min_counts) if preset_name == "default" else {})
+  config.compression_settings = ml_collections.ConfigDict(
+      {name: dict(settings) for name, settings in spec.compression_settings.items()}
+      if preset_name == "default" else {})
   for section in SECTIONS:
     config[section] = ml_collections.ConfigDict()
   config.split.mode = "dct"

@@ -145,6 +145,20 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
           for r in range(replicas)))
 
 
+  def test_deft_masks_the_same_entries_on_every_replica(self):
+    # DEFT's replicas all send at the union of the owners' picks, so masking
+    # zeroes the same entries of every replica's velocity.
+    replicas = 2
+    grads = harness.continuous_gradients(5, replicas, seed=7)
+    _, _, _, history = _run(DEFT(0.2, min_count=0, momentum=MOMENTUM,
+                                 momentum_masking=True), grads, replicas)
+    for t, (_, states) in enumerate(history):
+      for v in range(len(SHAPES)):
+        zeros = [states[v]["velocity"][r] == 0 for r in range(replicas)]
+        self.assertTrue(zeros[0].any(), msg=f"step {t} var {v}")
+        self.assertAllEqual(zeros[0], zeros[1], msg=f"step {t} var {v}")
+
+
 class KerasTest(tf.test.TestCase, parameterized.TestCase):
   """Through `wrap_optimizer` with a tf-keras momentum SGD."""
 

@@ -14,11 +14,13 @@ import inspect
 import io
 import math
 import pickle
+import re
 from unittest import mock
 
 from absl import flags
 from absl.testing import flagsaver
 from absl.testing import parameterized
+import ml_collections
 import tensorflow as tf
 import tf_keras
 
@@ -169,7 +171,7 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
 
   @parameterized.parameters(*train.SPARSIFIERS)
   def test_dlrm_default_preset_floor_per_sparsifier(self, compression):
-    # DLRM's default preset gives TopK a floor of 64 (`min_counts`); DCT-DP
+    # DLRM's default preset gives TopK a floor of 64 (`compression_settings`); DCT-DP
     # and DEFT keep their own, and so does every sparsifier of its local preset.
     cls = getattr(tf_dct.compression, train.COMPRESSOR_CLASSES[compression])
     default = inspect.signature(cls).parameters["min_count"].default
@@ -181,20 +183,58 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
     self.assertEqual(train.make_compressor(_cfg(
         model="dlrm", config="local", compression=compression)).min_count, default)
 
-  def test_min_counts_from_the_config(self):
+  def test_compression_settings_from_the_config(self):
     config = train.load_config("default", "dlrm")
-    config.min_counts.deft = 16
+    config.compression_settings.deft.min_count = 16
     cfg = train.resolve(config, {"compression": "deft"})
     self.assertEqual(train.make_compressor(cfg).min_count, 16)
-    self.assertEqual(train.config_of(cfg).min_counts.to_dict(), {"topk": 64, "deft": 16})
+    self.assertEqual(train.config_of(cfg).compression_settings.to_dict(),
+                     {"topk": {"min_count": 64},
+                      "deft": {"momentum_masking": True, "min_count": 16}})
     self.assertIsNone(train.resolve(config, {"compression": "none"})["min_count"])
-    for name, value, message in (
-        ("cltk", 8, r"--config.min_counts.cltk: 'cltk' is not a compressor with a floor"),
-        ("topk", -1, r"--config.min_counts.topk must be an int >= 0, got -1")):
+    for table, message in (
+        ({"cltk": {"min_count": 8}},
+         r"--config.compression_settings.cltk: 'cltk' is not a sparsifier"),
+        ({"topk": {"min_count": -1}},
+         r"--config.compression_settings.topk.min_count must be an int >= 0, got -1"),
+        ({"topk": {"min_count": True}},
+         r"--config.compression_settings.topk.min_count must be an int >= 0, got True"),
+        ({"deft": {"momentum_masking": 1}},
+         r"--config.compression_settings.deft.momentum_masking must be true or false, got 1"),
+        ({"deft": {"density": 0.1}},
+         r"--config.compression_settings.deft.density: not a setting a preset may give; "
+         r"expected one of min_count, momentum_masking")):
       bad = train.load_config("default", "dlrm")
-      bad.min_counts[name] = value
+      bad.compression_settings = ml_collections.ConfigDict(table)
       with self.assertRaisesRegex(train.FlagError, message):
         train.resolve(bad, {"compression": "topk"})
+
+  @parameterized.parameters(*train.SPARSIFIERS)
+  def test_dlrm_default_preset_masks_deft_momentum(self, compression):
+    # DLRM's default preset turns on DGC's momentum factor masking for DEFT,
+    # under momentum correction only; the others and the local preset keep
+    # the compressors' own (off); the flag overrides the preset.
+    def masking(**kwargs):
+      return train.make_compressor(_cfg(model="dlrm", compression=compression,
+                                        **kwargs)).momentum_masking
+    self.assertEqual(masking(optimizer="momentum"), compression == "deft")
+    self.assertFalse(masking(optimizer="momentum", config="local"))
+    self.assertFalse(masking(optimizer="adam"))
+    self.assertFalse(masking(optimizer="momentum", momentum_masking=False))
+    self.assertTrue(masking(optimizer="momentum", momentum_masking=True))
+    self.assertFalse(masking(optimizer="momentum", momentum_correction=False))
+
+  def test_momentum_masking_flag_needs_momentum_correction(self):
+    for given, shown in (({"optimizer": "adam"}, "--optimizer=adam --compression=deft"),
+                         ({"optimizer": "momentum", "momentum_correction": False},
+                          "--momentum_correction=false"),
+                         ({"optimizer": "momentum", "compression": "none"},
+                          "--compression=none")):
+      given = {"compression": "deft", **given, "momentum_masking": True}
+      with self.assertRaisesRegex(train.FlagError,
+                                  "--momentum_masking applies to --optimizer=momentum.*"
+                                  + re.escape(shown)):
+        train.resolve(train.load_config("default", "dlrm"), given)
 
   def test_ncf_default_preset_floor_is_dropped_without_a_sparsifier(self):
     for comp in ("none", "cltk", "threshold"):

@@ -280,7 +280,10 @@ class DEFT(Compressor):
       DEFT's union gives a small variable its floor of `min_count` entries
       a step in all, where TopK's gives it up to n * min_count: a bias then
       trails far behind, most under Adam (docs/quality.md).
-    momentum, momentum_masking: momentum correction, as in `DCTDP`.
+    momentum, momentum_masking: momentum correction, as in `DCTDP`. Every
+      replica sends at the union, so masking zeroes the same entries of
+      every replica's velocity; it helps DEFT on some models and hurts it
+      on others (docs/quality.md), so it is off by default.
     adam, adam_second_moment, adam_select, adam_first_moment: Adam
       correction, as in `DCTDP` (None, the default: on with an Adam or AdamW
       optimizer without amsgrad; False: off). Its side channel costs bytes
