@@ -101,6 +101,7 @@ import io  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import math  # pylint: disable=g-import-not-at-top,wrong-import-position
 import shlex  # pylint: disable=g-import-not-at-top,wrong-import-position
+import statistics  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tempfile  # pylint: disable=g-import-not-at-top,wrong-import-position
 import time  # pylint: disable=g-import-not-at-top,wrong-import-position
 from typing import Callable, Sequence  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -361,14 +362,6 @@ def _mean(xs):
   return sum(xs) / len(xs) if xs else math.nan
 
 
-def _variance(xs):
-  """The sample variance (n - 1 in the denominator); nan below two values."""
-  if len(xs) < 2:
-    return math.nan
-  m = _mean(xs)
-  return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
-
-
 def relative_se(finals: Sequence[float], dense_finals: Sequence[float],
                 seeds: Sequence[int] | None = None,
                 dense_seeds: Sequence[int] | None = None) -> float:
@@ -384,16 +377,16 @@ def relative_se(finals: Sequence[float], dense_finals: Sequence[float],
   either side.
   """
   dense_mean = _mean(dense_finals)
-  if not dense_mean or math.isnan(dense_mean):
+  if len(finals) < 2 or len(dense_finals) < 2 or not dense_mean or math.isnan(dense_mean):
     return math.nan
   if (seeds is not None and dense_seeds is not None and len(seeds) == len(finals)
       and len(dense_seeds) == len(dense_finals) and len(set(seeds)) == len(seeds)
       and sorted(seeds) == sorted(dense_seeds)):
     dense_of = dict(zip(dense_seeds, dense_finals))
     gaps = [(f - dense_of[s]) / abs(dense_mean) for s, f in zip(seeds, finals)]
-    return math.sqrt(_variance(gaps) / len(gaps))
-  return math.sqrt(_variance(finals) / len(finals) + _variance(dense_finals)
-                   / len(dense_finals)) / abs(dense_mean)
+    return math.sqrt(statistics.variance(gaps) / len(gaps))
+  return math.sqrt(statistics.variance(finals) / len(finals)
+                   + statistics.variance(dense_finals) / len(dense_finals)) / abs(dense_mean)
 
 
 def relative(value: float, reference: float) -> float:
@@ -517,7 +510,7 @@ def results_table(rows: Sequence[dict]) -> str:
         f"| {r['model']} | {r['metric']} ({direction}) | {r['optimizer']} "
         f"({r['learning_rate']:g}) | {r['compressor']} | {len(r['seeds'])} | "
         f"{_num(r['final'])} | {'-' if dense else _pct(r['rel'])} | "
-        f"{'-' if dense else _pct(r.get('rel_se', math.nan)).lstrip('+')} | "
+        f"{'-' if dense else _pct(r['rel_se']).lstrip('+')} | "
         f"{_pct(r['dense_spread'])[1:]} | "
         f"{'-' if dense else r['verdict']} | {'-' if dense else _pct(r['worst_rel'])} | "
         f"{_ratio(r.get('stock_payload_ratio'))} | {_ratio(r['payload_ratio'])} | "

@@ -48,11 +48,9 @@ COMMON_DEFAULTS = {
     "min_count": None,  # None: the compressor's own floor
     "momentum_masking": None,  # None: the compressor's own (off)
 }
-# The type of each setting of COMMON_DEFAULTS that may be None.
+# The type of each setting of COMMON_DEFAULTS that may be None: the
+# settings a model's `compression_settings` may give a sparsifier.
 OPTIONAL_SETTINGS = {"min_count": int, "momentum_masking": bool}
-# The settings a model's `compression_settings` may give a sparsifier, and
-# their types.
-PRESET_COMPRESSION_SETTINGS = {"min_count": int, "momentum_masking": bool}
 # --config=local for every model: a smoke run (models add tiny dimensions).
 # Sparsity/density are loosened because a tiny layer at 0.99 sparsity sends a
 # single entry per step and a 30-step run would show no learning.
@@ -74,7 +72,7 @@ class ModelSpec:
       entry per OPTIMIZERS value.
     local_learning_rates: the same for `--config=local`.
     compression_settings: {compression: {setting: value}} of the default
-      preset: launcher settings of `PRESET_COMPRESSION_SETTINGS` that a
+      preset: launcher settings of `OPTIONAL_SETTINGS` that a
       sparsifier takes when neither a flag nor `defaults` sets them; a
       sparsifier or setting not listed keeps the compressor's own.
     metric: the headline metric key of `evaluate`'s result.

@@ -724,8 +724,8 @@ def validate(cfg: dict) -> None:
 
 def _check_compression_settings(table: dict) -> None:
   """Raises FlagError unless `table` is {sparsifier: {setting: value}} with
-  the settings and types of `registry.PRESET_COMPRESSION_SETTINGS`."""
-  allowed = registry.PRESET_COMPRESSION_SETTINGS
+  the settings and types of `registry.OPTIONAL_SETTINGS`."""
+  allowed = registry.OPTIONAL_SETTINGS
   for name, settings in table.items():
     where = f"--config.compression_settings.{name}"
     if name not in SPARSIFIERS:

@@ -144,7 +144,6 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
           (history[-1][1][v]["velocity"][r] == 0).any()
           for r in range(replicas)))
 
-
   def test_deft_masks_the_same_entries_on_every_replica(self):
     # DEFT's replicas all send at the union of the owners' picks, so masking
     # zeroes the same entries of every replica's velocity.
