@@ -8,6 +8,9 @@ norms accumulated one by one in float32, k = min(size, max(1, floor(k_remain
 * (norm / rest)))), integer Mitchell-log2 costs with a floor of one octave,
 greedy packing (ties: lower index, lower bin), replica r taking bin
 (step % n + r) % n, stable top-k (ties: lower position), union-wide exchange.
+Under momentum correction (DGC §3.2) the accumulator is each replica's
+velocity plus its residual, and factor masking zeroes the velocity at the
+union every replica sent.
 """
 
 from __future__ import annotations
@@ -98,15 +101,20 @@ class ReferenceStep:
   residuals: list      # residuals[r][v] after this step
   sent: list           # per variable: union entries (or size when dense)
   selected_count: list  # selected_count[r][v]
+  velocities: list = None  # velocities[r][v] kept after this step (momentum)
 
 
 def deft_reference(grads, density, min_size=0, warmup_steps=0, min_count=1,
-                   budget="size", residual_decay=1.0):
+                   budget="size", residual_decay=1.0, momentum=None,
+                   momentum_masking=False):
   """Runs DEFT on grads[t][r][v] (numpy arrays, one float dtype).
 
   Variables below `min_size` are summed densely; `budget` as DEFT's ("size"
   or "norm", Algorithm 3); every residual is multiplied by `residual_decay`
-  after a step. Returns one ReferenceStep per step.
+  after a step. With `momentum`, each replica compresses u + E with its
+  velocity u = momentum * u + g (the dense variables' gradients are summed
+  as they are: the optimizer keeps their momentum); `momentum_masking`
+  zeroes u wherever the union sent. Returns one ReferenceStep per step.
   """
   first = grads[0][0]
   replicas = len(grads[0])
@@ -120,11 +128,16 @@ def deft_reference(grads, density, min_size=0, warmup_steps=0, min_count=1,
   p_sizes = [p[2] for p in parts]
   k_total = total_k(n_g, density)
   residual = [np.zeros(n_g, dtype) for _ in range(replicas)]
+  velocity = [np.zeros(n_g, dtype) for _ in range(replicas)]
   out = []
   for t, step_grads in enumerate(grads):
-    acc = [np.concatenate([np.asarray(step_grads[r][v], dtype).reshape(-1)
-                           for v in comp]) + residual[r]
-           for r in range(replicas)]
+    flat = [np.concatenate([np.asarray(step_grads[r][v], dtype).reshape(-1)
+                            for v in comp]) for r in range(replicas)]
+    if momentum:                                           # u = m u + g
+      velocity = [dtype.type(momentum) * velocity[r] + flat[r]
+                  for r in range(replicas)]
+      flat = velocity
+    acc = [flat[r] + residual[r] for r in range(replicas)]
     norms = np.zeros(len(parts), np.float32)
     for r in range(replicas):
       for x, (_, start, size) in enumerate(parts):
@@ -157,6 +170,8 @@ def deft_reference(grads, density, min_size=0, warmup_steps=0, min_count=1,
       residual[r] = np.where(union, np.zeros_like(acc[r]), acc[r])
       if residual_decay != 1:                              # what stays fades
         residual[r] = residual[r] * dtype.type(residual_decay)
+      if momentum and momentum_masking:                    # factor masking
+        velocity[r] = np.where(union, np.zeros_like(velocity[r]), velocity[r])
     update, residuals = [None] * len(shapes), []
     bounds = np.cumsum([0] + sizes)
     for i, v in enumerate(comp):
@@ -169,9 +184,13 @@ def deft_reference(grads, density, min_size=0, warmup_steps=0, min_count=1,
       residuals.append([residual[r][bounds[i]:bounds[i + 1]].reshape(shapes[v])
                         for i, v in enumerate(comp)])
     sent = [int(union[bounds[i]:bounds[i + 1]].sum()) for i in range(len(comp))]
+    velocities = None
+    if momentum:
+      velocities = [[velocity[r][bounds[i]:bounds[i + 1]].reshape(shapes[v])
+                     for i, v in enumerate(comp)] for r in range(replicas)]
     out.append(ReferenceStep(parts, k, bins, own,
                              [sorted(c) for c in chosen], union, update,
-                             residuals, sent, counts))
+                             residuals, sent, counts, velocities))
   return out
 
 
