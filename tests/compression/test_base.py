@@ -10,7 +10,7 @@ import tf_keras
 import tf_dct
 from tf_dct import compression
 from tf_dct.compression import accounting
-from tf_dct.compression import deft
+from tf_dct.compression import base
 from tf_dct.compression import sparse_wire
 from tests import util
 from tests.compression import test_sparse_wire
@@ -553,13 +553,19 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
       for key, value in compressor.state_values(v).items():
         self.assertAllEqual(value, before[v.name][key], msg=f"{v.name} {key}")
 
-  def test_deft_sends_whole_below_whole_below(self):
-    # DEFT's exchange is cheap for any size, so by bytes alone ("auto" with
-    # whole_below=0) the bias is compressed; below `whole_below` it is sent
-    # whole (its exact sum), the kernel (32 entries) still compressed.
+  @parameterized.named_parameters(
+      ("deft", lambda **kw: compression.DEFT(density=0.25, min_count=1, **kw)),
+      ("topk", lambda **kw: compression.TopK(density=0.25, min_count=1, **kw)),
+      ("dct_dp", lambda **kw: compression.DCTDP(
+          sparsity=0.75, min_count=1, value_dtype=None, **kw)),
+  )
+  def test_sends_whole_below_whole_below(self, make):
+    # At these densities the exchange is cheaper than the all-reduce, so by
+    # bytes alone ("auto" with whole_below=0) the bias is compressed; below
+    # `whole_below` it is sent whole (its exact sum), the kernel (32
+    # entries) still compressed.
     for whole_below, whole in ((16, True), (0, False)):
-      compressor = compression.DEFT(density=0.25, min_count=1,
-                                    whole_below=whole_below)
+      compressor = make(whole_below=whole_below)
       out, exact, variables = _dense_run(compressor)
       bias, kernel = variables["bias"], variables["kernel"]
       self.assertEqual(compressor.sends_whole(bias), whole)
@@ -569,8 +575,14 @@ class DenseGradientsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(np.allclose(out[t][0][0], exact[t][0], atol=1e-6),
                          whole, msg=f"whole_below={whole_below} step {t}")
         self.assertNotAllClose(out[t][0][1], exact[t][1])
-    self.assertEqual(compression.DEFT().whole_below, deft.WHOLE_BELOW)
-    self.assertEqual(deft.WHOLE_BELOW, 2048)
+
+  def test_whole_below_defaults(self):
+    # DEFT sends variables under 2048 entries whole; TopK and DCTDP decide
+    # by bytes alone unless told.
+    self.assertEqual(compression.DEFT().whole_below, base.WHOLE_BELOW)
+    self.assertEqual(base.WHOLE_BELOW, 2048)
+    self.assertEqual(compression.TopK().whole_below, 0)
+    self.assertEqual(compression.DCTDP().whole_below, 0)
 
   def test_compress_always_compresses(self):
     compressor = compression.DCTDP(sparsity=0.99, min_count=8,

@@ -134,6 +134,9 @@ class ArgumentTest(tf.test.TestCase, parameterized.TestCase):
       ("residual_decay_zero", {"residual_decay": 0},
        "TopK: residual_decay must be a number in \\(0, 1\\], got 0"),
       ("residual_decay_above_one", {"residual_decay": 1.5}, "residual_decay"),
+      ("whole_below_negative", {"whole_below": -1},
+       "TopK: whole_below must be an int >= 0, got -1"),
+      ("whole_below_float", {"whole_below": 2048.0}, "TopK: whole_below"),
       ("value_dtype", {"value_dtype": "half"},
        "TopK: value_dtype must be None \\(the variable's dtype\\) or "
        "'bfloat16', got 'half'"),

@@ -165,6 +165,11 @@ def longest_rows(ctx: tf.distribute.ReplicaContext,
 # Bytes per table of `longest_rows`'s all-gather (one int32 row count).
 ROW_COUNT_BYTES = 4
 
+# `DEFT`'s `whole_below` default: variables of fewer entries (biases, small
+# layers: a few KiB each) are sent whole. `TopK` and `DCTDP` compress them
+# unless given `whole_below` (docs/quality.md).
+WHOLE_BELOW = 2048
+
 
 def _replicas_priced() -> int:
   """The replica count `sparse_gradients`/`dense_gradients` "auto" price
@@ -202,13 +207,15 @@ class Compressor(tf.Module):
       all-gather's bytes do, an all-reduce's do not). The variable keeps
       the compressor's momentum, Adam or Adagrad correction, so it is
       updated by the same rule as the compressed ones. A compressor whose
-      `whole_below` is above 0 (`DEFT`) also sends whole every variable with
-      fewer entries. Decided at its first gradient and kept (`sends_whole`).
+      `whole_below` is above 0 (`DEFT` by default) also sends whole every
+      variable with fewer entries. Decided at its first
+      gradient and kept (`sends_whole`).
       "compress": always by the compressor.
   """
 
   # `dense_gradients="auto"` also sends whole every variable with fewer
-  # entries than this, whatever the bytes (0: by bytes alone; `DEFT` sets it).
+  # entries than this, whatever the bytes (0: by bytes alone;
+  # `_init_whole_below` sets it).
   whole_below: int = 0
 
   # Whether `reduce_as_is` sums each replica's duplicate rows of a
@@ -306,6 +313,12 @@ class Compressor(tf.Module):
                        "momentum_masking=True (masking finds the sent entries "
                        f"by a zero residual), got {value_dtype!r}")
     self.value_dtype = value_dtype
+
+  def _init_whole_below(self, whole_below) -> None:
+    """Validates and sets `whole_below`, an int >= 0 (see `_dense_whole`)."""
+    self.whole_below = int(validation.check_number(
+        type(self).__name__, "whole_below", whole_below, numbers.Integral, 0,
+        False))
 
   def _init_residual_decay(self, residual_decay) -> None:
     """Validates and sets `residual_decay`, a number in (0, 1] (see `decay`)."""

@@ -298,6 +298,11 @@ class DCTDP(Compressor):
       variable with a dense gradient whole (one all-reduce) where that
       moves no more bytes than compressing it (a bias, a small layer;
       `Compressor`).
+    whole_below: with `dense_gradients="auto"`, every variable of fewer
+      entries is also sent whole, an int >= 0 (default 0: by bytes alone).
+      A small layer at a few entries a step can make training unstable
+      under momentum SGD or Adam; `base.WHOLE_BELOW` (2048) sends such
+      layers whole (docs/quality.md).
     native: use the native CPU kernels (`tf_dct.compression.native`, built on first
       use; results bit-identical to stock ops) for lines 2-11 of every
       variable and the long wire buffers (line 12). None
@@ -396,7 +401,8 @@ class DCTDP(Compressor):
                threshold_gain: float = 0.0,
                threshold_max_factor: float = 2.0,
                value_dtype: str | None = "auto",
-               residual_decay: float = 1.0):
+               residual_decay: float = 1.0,
+               whole_below: int = 0):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
@@ -416,6 +422,7 @@ class DCTDP(Compressor):
         "threshold_max_factor", threshold_max_factor, numbers.Real, 1, True))
     self.sparsity_schedule = _check_schedule(sparsity_schedule)
     self._init_residual_decay(residual_decay)
+    self._init_whole_below(whole_below)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     self.fuse_size = (None if fuse_size is None else int(

@@ -34,17 +34,13 @@ from tf_dct import validation
 from tf_dct.compression import accounting
 from tf_dct.compression import error_feedback
 from tf_dct.compression import sparse_wire
-from tf_dct.compression.base import Compressor
+from tf_dct.compression.base import WHOLE_BELOW, Compressor
 
 _check = functools.partial(validation.check_number, "DEFT")
 
 # How k_total is split over the partitions: "norm" (DEFT Algorithm 3) or
 # "size" (the same density everywhere, `size_k`).
 BUDGETS = ("norm", "size")
-
-# `DEFT(whole_below=...)`'s default: variables of fewer entries (biases,
-# small layers: a few KiB each) are sent whole.
-WHOLE_BELOW = 2048
 
 # Mitchell log2 in fixed point: float32 bits minus the exponent bias.
 LOG2_ONE = 1 << 23
@@ -276,7 +272,8 @@ class DEFT(Compressor):
       accumulator, keeping momentum or Adam correction) where that moves no
       more bytes than compressing it, and every variable with fewer than
       `whole_below` entries (`Compressor`).
-    whole_below: an int >= 0 (default `WHOLE_BELOW`; 0: by bytes alone).
+    whole_below: an int >= 0 (default `base.WHOLE_BELOW`; 0: by bytes
+      alone).
       DEFT's union gives a small variable its floor of `min_count` entries
       a step in all, where TopK's gives it up to n * min_count: a bias then
       trails far behind, most under Adam (docs/quality.md).
@@ -310,8 +307,7 @@ class DEFT(Compressor):
     super().__init__(name=name, exclude=exclude,
                      sparse_gradients=sparse_gradients,
                      dense_gradients=dense_gradients)
-    self.whole_below = int(_check("whole_below", whole_below, numbers.Integral,
-                                  0, False))
+    self._init_whole_below(whole_below)
     self.min_count = int(_check("min_count", min_count, numbers.Integral, 0,
                                 False))
     if budget not in BUDGETS:

@@ -64,6 +64,11 @@ class TopK(ErrorFeedbackCompressor):
     adagrad, adagrad_accumulator: Adagrad correction, as in `DCTDP` (off
       by default).
     sparse_gradients, dense_gradients: as in `ErrorFeedbackCompressor`.
+    whole_below: with `dense_gradients="auto"`, every variable of fewer
+      entries is also sent whole, an int >= 0 (default 0: by bytes alone).
+      A small layer at a handful of entries a step can make training
+      unstable under momentum SGD or Adam; `base.WHOLE_BELOW` (2048) sends
+      such layers whole (docs/quality.md).
     value_dtype: None (default) or "bfloat16", as in `DCTDP`.
     residual_decay: the factor residuals are multiplied by after a step, in
       (0, 1], as in `DCTDP` (default 1).
@@ -89,7 +94,8 @@ class TopK(ErrorFeedbackCompressor):
                sparse_gradients: str = "auto",
                dense_gradients: str = "auto",
                value_dtype: str | None = None,
-               residual_decay: float = 1.0):
+               residual_decay: float = 1.0,
+               whole_below: int = 0):
     super().__init__(min_size=min_size, warmup_steps=warmup_steps, name=name,
                      exclude=exclude, momentum=momentum,
                      momentum_masking=momentum_masking, adam=adam,
@@ -106,6 +112,7 @@ class TopK(ErrorFeedbackCompressor):
                                      0, False))
     self.capacity_factor = float(self._check(
         "capacity_factor", capacity_factor, numbers.Real, 1, False))
+    self._init_whole_below(whole_below)
 
   def _exchange_bytes(self, n, dtype):
     k = selected_count(n, self.density, self.min_count)
