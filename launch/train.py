@@ -613,13 +613,13 @@ def validate(cfg: dict) -> None:
   _check_compression_settings(cfg.get("compression_settings") or {})
   if comp not in SPARSIFIERS and "min_count" not in cfg.get("explicit", ()):
     cfg["min_count"] = None  # a model's preset floor applies to the sparsifiers only
-  masks = cfg["optimizer"] == "momentum" and comp in SPARSIFIERS and cfg.get(
-      "momentum_correction", True)
+  corrected = cfg.get("momentum_correction", True)
+  masks = cfg["optimizer"] == "momentum" and comp in SPARSIFIERS and corrected
   if "momentum_masking" in cfg.get("explicit", ()) and not masks:
     raise FlagError("--momentum_masking applies to --optimizer=momentum with "
                     f"--compression={'/'.join(SPARSIFIERS)} and --momentum_correction on; "
                     f"this run has --optimizer={cfg['optimizer']} --compression={comp} "
-                    f"--momentum_correction={str(cfg.get('momentum_correction', True)).lower()}")
+                    f"--momentum_correction={str(corrected).lower()}")
   if not masks:
     cfg["momentum_masking"] = None  # a model's preset masking needs momentum correction
   min_count = cfg.get("min_count")

@@ -59,11 +59,6 @@ def dgc_topk_reference(grads, k, momentum, masking=True):
   return out
 
 
-def _run(compressor, grads, replicas):
-  """`harness.run` with the compressor's momentum set as a wrap would."""
-  return harness.run(compressor, grads, replicas)
-
-
 class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -87,7 +82,7 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
             momentum_masking=masking),
     }[kind]
     grads = harness.continuous_gradients(6, replicas, seed=replicas)
-    _, _, _, history = _run(make(), grads, replicas)
+    _, _, _, history = harness.run(make(), grads, replicas)
     for v, shape in enumerate(SHAPES):
       k = {30: 6, 17: 4}[int(np.prod(shape))]
       ref = dgc_topk_reference([[g[v] for g in step] for step in grads], k,
@@ -119,7 +114,7 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
     replicas, steps = 2, 7
     grads = harness.continuous_gradients(steps, replicas, seed=5)
     compressor = make()
-    _, _, _, history = _run(compressor, grads, replicas)
+    _, _, _, history = harness.run(compressor, grads, replicas)
     for v, shape in enumerate(SHAPES):
       fed = np.zeros(shape, np.float64)
       kept = [np.zeros(shape, np.float32) for _ in range(replicas)]
@@ -149,8 +144,9 @@ class ReferenceTest(tf.test.TestCase, parameterized.TestCase):
     # zeroes the same entries of every replica's velocity.
     replicas = 2
     grads = harness.continuous_gradients(5, replicas, seed=7)
-    _, _, _, history = _run(DEFT(0.2, min_count=0, momentum=MOMENTUM,
-                                 momentum_masking=True), grads, replicas)
+    _, _, _, history = harness.run(
+        DEFT(0.2, min_count=0, momentum=MOMENTUM, momentum_masking=True),
+        grads, replicas)
     for t, (_, states) in enumerate(history):
       for v in range(len(SHAPES)):
         zeros = [states[v]["velocity"][r] == 0 for r in range(replicas)]

@@ -208,8 +208,8 @@ class Compressor(tf.Module):
       the compressor's momentum, Adam or Adagrad correction, so it is
       updated by the same rule as the compressed ones. A compressor whose
       `whole_below` is above 0 (`DEFT` by default) also sends whole every
-      variable with fewer entries. Decided at its first
-      gradient and kept (`sends_whole`).
+      variable with fewer entries. Decided at its first gradient and kept
+      (`sends_whole`).
       "compress": always by the compressor.
   """
 
