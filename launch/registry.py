@@ -47,10 +47,11 @@ COMMON_DEFAULTS = {
     "adam_residual_decay": 1.0,
     "min_count": None,  # None: the compressor's own floor
     "momentum_masking": None,  # None: the compressor's own (off)
+    "whole_below": None,  # None: the compressor's own (DEFT 2048, the others 0)
 }
 # The type of each setting of COMMON_DEFAULTS that may be None: the
 # settings a model's `compression_settings` may give a sparsifier.
-OPTIONAL_SETTINGS = {"min_count": int, "momentum_masking": bool}
+OPTIONAL_SETTINGS = {"min_count": int, "momentum_masking": bool, "whole_below": int}
 # --config=local for every model: a smoke run (models add tiny dimensions).
 # Sparsity/density are loosened because a tiny layer at 0.99 sparsity sends a
 # single entry per step and a 30-step run would show no learning.

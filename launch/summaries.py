@@ -96,6 +96,8 @@ def hparams(cfg: dict, num_replicas: int, *, sparsifier: bool,
   if sparsifier:
     if cfg.get("min_count") is not None:
       out["min_count"] = cfg["min_count"]
+    if cfg.get("whole_below") is not None:
+      out["whole_below"] = cfg["whole_below"]
     if cfg["optimizer"] == "momentum":
       out["momentum_correction"] = bool(cfg.get("momentum_correction", True))
     if cfg["optimizer"] in ADAM_OPTIMIZERS:

@@ -244,6 +244,11 @@ flags.DEFINE_integer("min_count", None,
                      "dct/deft/topk: every compressed variable sends at least "
                      "min(entries, min_count) entries per step; >= 0 (0: the published "
                      "selection rules). Default: the compressor's (dct 64, deft/topk 8).")
+flags.DEFINE_integer("whole_below", None,
+                     "dct/deft/topk with --dense_gradients=auto: every variable of fewer "
+                     "entries is sent whole through the compressor (its momentum or Adam "
+                     "correction kept); >= 0 (0: only where compressing would move more "
+                     "bytes). Default: the compressor's (deft 2048, dct/topk 0).")
 flags.DEFINE_boolean("momentum_correction", True,
                      "With --optimizer=momentum and --compression=dct/deft/topk: each replica "
                      "keeps the momentum of its own gradients in the compressor (DGC momentum "
@@ -611,8 +616,9 @@ def validate(cfg: dict) -> None:
       cfg["sparse_gradients"] = (
           inspect.signature(cls).parameters["sparse_gradients"].default)
   _check_compression_settings(cfg.get("compression_settings") or {})
-  if comp not in SPARSIFIERS and "min_count" not in cfg.get("explicit", ()):
-    cfg["min_count"] = None  # a model's preset floor applies to the sparsifiers only
+  for name in ("min_count", "whole_below"):
+    if comp not in SPARSIFIERS and name not in cfg.get("explicit", ()):
+      cfg[name] = None  # a model's preset setting applies to the sparsifiers only
   corrected = cfg.get("momentum_correction", True)
   masks = cfg["optimizer"] == "momentum" and comp in SPARSIFIERS and corrected
   if "momentum_masking" in cfg.get("explicit", ()) and not masks:
@@ -629,6 +635,7 @@ def validate(cfg: dict) -> None:
                       f"--compression={comp}")
     if min_count < 0:
       raise FlagError(f"--min_count must be >= 0, got {min_count}")
+  _check_whole_below(cfg)
   if "momentum_correction" in cfg.get("explicit", ()) and not (
       cfg["optimizer"] == "momentum" and comp in SPARSIFIERS):
     raise FlagError("--momentum_correction applies to --optimizer=momentum with "
@@ -722,6 +729,26 @@ def validate(cfg: dict) -> None:
                     "this checkout yet")
 
 
+def _check_whole_below(cfg: dict) -> None:
+  """Raises FlagError for a bad --whole_below; drops a preset's value where
+  it cannot apply (--dense_gradients=compress)."""
+  whole_below, comp = cfg.get("whole_below"), cfg["compression"]
+  if whole_below is None:
+    return
+  if comp not in SPARSIFIERS:
+    raise FlagError(f"--whole_below is for --compression={'/'.join(SPARSIFIERS)}, not "
+                    f"--compression={comp}")
+  if whole_below < 0:
+    raise FlagError(f"--whole_below must be >= 0, got {whole_below}")
+  dense_gradients = cfg.get("dense_gradients", "auto")
+  if dense_gradients != "auto":
+    if "whole_below" in cfg.get("explicit", ()):
+      raise FlagError("--whole_below applies with --dense_gradients=auto; this run has "
+                      f"--dense_gradients={dense_gradients}, which compresses every "
+                      "variable")
+    cfg["whole_below"] = None
+
+
 def _check_compression_settings(table: dict) -> None:
   """Raises FlagError unless `table` is {sparsifier: {setting: value}} with
   the settings and types of `registry.OPTIONAL_SETTINGS`."""
@@ -783,6 +810,8 @@ def compressor_arguments(cfg: dict) -> dict:
   if comp in SPARSIFIERS:
     if cfg.get("min_count") is not None:
       common["min_count"] = cfg["min_count"]
+    if cfg.get("whole_below") is not None:
+      common["whole_below"] = cfg["whole_below"]
     if cfg["optimizer"] == "momentum":
       # The Keras adapter then applies the compressed variables' aggregate as
       # plain SGD; variables left dense (excluded, below --min_size) keep the
@@ -890,6 +919,7 @@ def check_settings(cfg: dict) -> None:
   --eval_every, --loop, --batch_size, --seed, --learning_rate, the
   compressors' rates and thresholds (--sparsity, --density, --threshold,
   --threshold_life, --min_count), --sparse_gradients, --dense_gradients,
+  --whole_below,
   --mp_sparsity, --num_devices_per_replica, --tpu and the --data_dir path.
   """
   path = os.path.join(cfg["model_dir"], SETTINGS_FILE) if cfg["model_dir"] else ""
@@ -1485,6 +1515,8 @@ def print_table(s: dict, cfg: dict) -> None:
   if comp in SPARSIFIERS:
     if cfg.get("min_count") is not None:
       options.append(f"min_count {cfg['min_count']}")
+    if cfg.get("whole_below") is not None:
+      options.append(f"whole below {cfg['whole_below']} entries")
     if cfg["optimizer"] == "momentum":
       options.append("momentum correction" if cfg.get("momentum_correction", True)
                      else "no momentum correction")

@@ -26,6 +26,7 @@ import tf_keras
 
 import tf_dct
 from launch import registry
+from launch import summaries
 from launch import train
 from tests import util
 
@@ -203,7 +204,9 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
          r"--config.compression_settings.deft.momentum_masking must be true or false, got 1"),
         ({"deft": {"density": 0.1}},
          r"--config.compression_settings.deft.density: not a setting a preset may give; "
-         r"expected one of min_count, momentum_masking")):
+         r"expected one of min_count, momentum_masking, whole_below"),
+        ({"dct": {"whole_below": -1}},
+         r"--config.compression_settings.dct.whole_below must be an int >= 0, got -1")):
       bad = train.load_config("default", "dlrm")
       bad.compression_settings = ml_collections.ConfigDict(table)
       with self.assertRaisesRegex(train.FlagError, message):
@@ -235,6 +238,46 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
                                   "--momentum_masking applies to --optimizer=momentum.*"
                                   + re.escape(shown)):
         train.resolve(train.load_config("default", "dlrm"), given)
+
+  @parameterized.parameters(*train.SPARSIFIERS)
+  def test_whole_below_reaches_the_compressor(self, compression):
+    cls = getattr(tf_dct.compression, train.COMPRESSOR_CLASSES[compression])
+    default = inspect.signature(cls).parameters["whole_below"].default
+    cfg = _cfg(model="mlp", config="local", compression=compression)
+    self.assertIsNone(cfg["whole_below"])
+    self.assertEqual(train.make_compressor(cfg).whole_below, default)
+    for given in (0, 2048):
+      cfg = _cfg(model="mlp", config="local", compression=compression, whole_below=given)
+      self.assertEqual(train.make_compressor(cfg).whole_below, given)
+      self.assertEqual(summaries.hparams(cfg, 4, sparsifier=True,
+                                         adam_correction=False)["whole_below"], given)
+
+  def test_whole_below_errors(self):
+    base = dict(model="mlp", config="local")
+    for comp in ("none", "cltk", "threshold"):
+      with self.assertRaisesRegex(train.FlagError,
+                                  r"^--whole_below is for --compression=dct/deft/topk, not "
+                                  rf"--compression={comp}$"):
+        _cfg(compression=comp, whole_below=2048, **base)
+    with self.assertRaisesRegex(train.FlagError, r"^--whole_below must be >= 0, got -1$"):
+      _cfg(compression="topk", whole_below=-1, **base)
+    with self.assertRaisesRegex(train.FlagError,
+                                r"^--whole_below applies with --dense_gradients=auto; this "
+                                r"run has --dense_gradients=compress"):
+      _cfg(compression="dct", whole_below=2048, dense_gradients="compress", **base)
+
+  def test_whole_below_from_the_config(self):
+    # A preset's value applies to its sparsifier, and is dropped where it
+    # cannot apply: another compressor, or every variable compressed.
+    config = train.load_config("default", "dlrm")
+    config.compression_settings.topk = ml_collections.ConfigDict({"whole_below": 4096})
+    self.assertEqual(train.make_compressor(
+        train.resolve(config, {"compression": "topk"})).whole_below, 4096)
+    self.assertEqual(train.make_compressor(train.resolve(
+        config, {"compression": "topk", "whole_below": 0})).whole_below, 0)
+    self.assertIsNone(train.resolve(config, {"compression": "dct"})["whole_below"])
+    self.assertIsNone(train.resolve(config, {"compression": "topk",
+                                             "dense_gradients": "compress"})["whole_below"])
 
   def test_ncf_default_preset_floor_is_dropped_without_a_sparsifier(self):
     for comp in ("none", "cltk", "threshold"):

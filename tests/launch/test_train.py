@@ -366,6 +366,14 @@ class CommunicationSummaryTest(tf.test.TestCase):
                             cfg)
         self.assertEqual("residual decay 0.9" in out.getvalue(), named, (comp, correction))
 
+  def test_table_names_whole_below_when_set(self):
+    for comp, given in (("topk", 2048), ("dct", None)):
+      cfg = _cfg(model="dlrm", compression=comp, whole_below=given)
+      out = io.StringIO()
+      with contextlib.redirect_stdout(out):
+        train.print_table(self._summary(compression=comp), cfg)
+      self.assertEqual("whole below 2048 entries" in out.getvalue(), given is not None, comp)
+
 
 class ModelsTest(tf.test.TestCase):
   """`--config=local` for every other model and loop, one compressor each."""
