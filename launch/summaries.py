@@ -104,6 +104,7 @@ def hparams(cfg: dict, num_replicas: int, *, sparsifier: bool,
       out["adam_correction"] = adam_correction
       if adam_correction:
         out["adam_second_moment"] = cfg.get("adam_second_moment", "factored")
+        out["adam_residual_decay"] = cfg.get("adam_residual_decay") or 1.0
   return out
 
 

@@ -190,8 +190,10 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
     cfg = train.resolve(config, {"compression": "deft"})
     self.assertEqual(train.make_compressor(cfg).min_count, 16)
     self.assertEqual(train.config_of(cfg).compression_settings.to_dict(),
-                     {"topk": {"min_count": 64},
-                      "deft": {"momentum_masking": True, "min_count": 16}})
+                     {"dct": {"adam_residual_decay": 0.9},
+                      "topk": {"min_count": 64, "adam_residual_decay": 0.7},
+                      "deft": {"momentum_masking": True, "adam_residual_decay": 0.9,
+                               "min_count": 16}})
     self.assertIsNone(train.resolve(config, {"compression": "none"})["min_count"])
     for table, message in (
         ({"cltk": {"min_count": 8}},
@@ -204,7 +206,13 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
          r"--config.compression_settings.deft.momentum_masking must be true or false, got 1"),
         ({"deft": {"density": 0.1}},
          r"--config.compression_settings.deft.density: not a setting a preset may give; "
-         r"expected one of min_count, momentum_masking, whole_below"),
+         r"expected one of min_count, momentum_masking, whole_below, adam_residual_decay"),
+        ({"topk": {"adam_residual_decay": 0.0}},
+         r"--config.compression_settings.topk.adam_residual_decay must be a number in "
+         r"\(0, 1\], got 0.0"),
+        ({"topk": {"adam_residual_decay": True}},
+         r"--config.compression_settings.topk.adam_residual_decay must be a number in "
+         r"\(0, 1\], got True"),
         ({"dct": {"whole_below": -1}},
          r"--config.compression_settings.dct.whole_below must be an int >= 0, got -1")):
       bad = train.load_config("default", "dlrm")

@@ -40,7 +40,7 @@ def setUpModule():
 
 
 def _cfg(**overrides):
-  with flagsaver.flagsaver(config="local", **overrides):
+  with flagsaver.flagsaver(**{"config": "local", **overrides}):
     return train.resolved_config()
 
 
@@ -359,12 +359,15 @@ class CommunicationSummaryTest(tf.test.TestCase):
   def test_table_names_the_residual_decay_of_every_sparsifier(self):
     for comp in ("dct", "topk", "deft"):
       for correction, named in ((True, True), (False, False)):
-        cfg = _cfg(model="dlrm", compression=comp, adam_correction=correction)
+        cfg = _cfg(model="dlrm", config="default", compression=comp,
+                   adam_correction=correction)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
           train.print_table(self._summary(compression=comp, adam_correction=correction),
                             cfg)
-        self.assertEqual("residual decay 0.9" in out.getvalue(), named, (comp, correction))
+        decay = "0.7" if comp == "topk" else "0.9"
+        self.assertEqual(f"residual decay {decay}" in out.getvalue(), named,
+                         (comp, correction))
 
   def test_table_names_whole_below_when_set(self):
     for comp, given in (("topk", 2048), ("dct", None)):
@@ -549,10 +552,21 @@ class CompressionExcludeTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.parameters("dct", "topk", "deft")
   def test_adam_residual_decay_reaches_the_sparsifiers_under_adam_correction(self, comp):
-    # dlrm's default decays the residuals by 0.9 under Adam correction; the
-    # other models keep the published error feedback (1).
-    self.assertEqual(train.make_compressor(_cfg(model="dlrm", compression=comp)).residual_decay,
-                     0.9)
+    # dlrm's default decays the residuals under Adam correction (TopK's by
+    # 0.7, the others' by 0.9); the other models keep the published error
+    # feedback (1).
+    def decay(**kwargs):
+      return train.make_compressor(_cfg(model="dlrm", compression=comp,
+                                        **kwargs)).residual_decay
+    self.assertEqual(decay(config="default"), 0.7 if comp == "topk" else 0.9)
+    self.assertEqual(decay(config="default", adam_residual_decay=0.8), 0.8)
+    cfg = _cfg(model="dlrm", config="default", compression=comp)
+    self.assertEqual(summaries.hparams(cfg, 4, sparsifier=True, adam_correction=True)[
+        "adam_residual_decay"], 0.7 if comp == "topk" else 0.9)
+    self.assertEqual(summaries.hparams(_cfg(model="dlrm", compression=comp), 4,
+                                       sparsifier=True, adam_correction=True)[
+        "adam_residual_decay"], 1.0)
+    self.assertEqual(decay(), 1.0)  # the local preset has no compression settings
     self.assertEqual(train.make_compressor(_cfg(
         model="mlp", optimizer="adam", compression=comp)).residual_decay, 1.0)
     self.assertEqual(train.make_compressor(_cfg(
@@ -560,8 +574,9 @@ class CompressionExcludeTest(tf.test.TestCase, parameterized.TestCase):
         adam_residual_decay=0.8)).residual_decay, 0.8)
     # Not under Adam correction: the model's default is not applied.
     for extra in ({"optimizer": "momentum"}, {"adam_correction": False}):
-      self.assertEqual(train.make_compressor(_cfg(
-          model="dlrm", compression=comp, **extra)).residual_decay, 1.0, extra)
+      self.assertEqual(decay(config="default", **extra), 1.0, extra)
+      self.assertIsNone(_cfg(model="dlrm", config="default", compression=comp,
+                             **extra)["adam_residual_decay"], extra)
     for extra in ({"optimizer": "momentum"}, {"adam_correction": False},
                   {"compression": "cltk"}, {"compression": "none"}):
       extra = {"compression": comp, **extra}
@@ -572,7 +587,7 @@ class CompressionExcludeTest(tf.test.TestCase, parameterized.TestCase):
     for bad in (0.0, 1.5, float("nan")):
       with self.assertRaisesRegex(train.FlagError,
                                   r"^--adam_residual_decay must be in \(0, 1\], got"):
-        _cfg(model="dlrm", adam_residual_decay=bad)
+        _cfg(model="dlrm", compression=comp, adam_residual_decay=bad)
 
 
 class FlagErrorsTest(tf.test.TestCase):
