@@ -927,8 +927,8 @@ def check_settings(cfg: dict) -> None:
   --eval_every, --loop, --batch_size, --seed, --learning_rate, the
   compressors' rates and thresholds (--sparsity, --density, --threshold,
   --threshold_life, --min_count), --sparse_gradients, --dense_gradients,
-  --whole_below,
-  --mp_sparsity, --num_devices_per_replica, --tpu and the --data_dir path.
+  --whole_below, --mp_sparsity, --num_devices_per_replica, --tpu and the
+  --data_dir path.
   """
   path = os.path.join(cfg["model_dir"], SETTINGS_FILE) if cfg["model_dir"] else ""
   if not path or not tf.io.gfile.exists(path):

@@ -21,8 +21,9 @@ Every config has the same fields:
 * `learning_rate` (None: `learning_rates[optimizer]`) and `learning_rates`,
   a rate that trains for every optimizer;
 * `compression_settings`: {compression: {setting: value}}, what a
-  sparsifier takes for `min_count`, `momentum_masking` or `whole_below` when
-  that field is None (default preset only; empty for most models).
+  sparsifier takes for `min_count`, `momentum_masking`, `whole_below` or
+  `adam_residual_decay` when that field is None (default preset only; empty
+  for most models).
 
 The training settings come from the tables of `launch/registry.py`; the
 model files add the dimensions.
