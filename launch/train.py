@@ -270,7 +270,7 @@ flags.DEFINE_float("adam_residual_decay", None,
                    "compressor's residuals are multiplied by after each step, in (0, 1]. 1 "
                    "keeps every held-back entry (error feedback as published); below 1 a "
                    "held-back entry's pile of first moments fades instead of landing late as "
-                   "one jump. Default 1 (dlrm: dct and deft 0.9, topk 0.7).")
+                   "one jump. Default 1 (dlrm: 0.7).")
 flags.DEFINE_enum("adam_second_moment", "factored", ("factored", "sketched", "exact"),
                   "With --compression=dct/deft/topk under Adam correction: its second "
                   "moment's side channel. factored: row and column sums of the squared "

@@ -382,12 +382,11 @@ class FlagsTest(parameterized.TestCase):
     comp, _ = self._build("dct")
     self.assertEqual((comp.sparsity, comp.threshold_life, comp.min_count), (0.99, 1000, 64))
     self.assertEqual(self._build("topk")[0].density, 0.01)
-    # DLRM under Adam: the launcher's residual decay for every sparsifier with
-    # Adam correction (TopK's 0.7, the others' 0.9); the papers' settings and
-    # `adam=False` run without it.
+    # DLRM under Adam: the launcher's residual decay (0.7) for every
+    # sparsifier with Adam correction; the papers' settings and `adam=False`
+    # run without it.
     for spec in ("dct", "topk", "deft"):
-      self.assertEqual(self._build(spec, "dlrm")[0].residual_decay,
-                       0.7 if spec == "topk" else 0.9)
+      self.assertEqual(self._build(spec, "dlrm")[0].residual_decay, 0.7)
       self.assertEqual(self._build(spec, "dlrm", "momentum")[0].residual_decay, 1.0)
       self.assertEqual(self._build(spec, "ncf")[0].residual_decay, 1.0)
       self.assertEqual(self._build(spec + "_paper", "dlrm")[0].residual_decay, 1.0)

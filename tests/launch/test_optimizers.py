@@ -190,9 +190,9 @@ class CompressorOptionsTest(parameterized.TestCase, tf.test.TestCase):
     cfg = train.resolve(config, {"compression": "deft"})
     self.assertEqual(train.make_compressor(cfg).min_count, 16)
     self.assertEqual(train.config_of(cfg).compression_settings.to_dict(),
-                     {"dct": {"adam_residual_decay": 0.9},
+                     {"dct": {"adam_residual_decay": 0.7},
                       "topk": {"min_count": 64, "adam_residual_decay": 0.7},
-                      "deft": {"momentum_masking": True, "adam_residual_decay": 0.9,
+                      "deft": {"momentum_masking": True, "adam_residual_decay": 0.7,
                                "min_count": 16}})
     self.assertIsNone(train.resolve(config, {"compression": "none"})["min_count"])
     for table, message in (

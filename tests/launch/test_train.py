@@ -365,8 +365,7 @@ class CommunicationSummaryTest(tf.test.TestCase):
         with contextlib.redirect_stdout(out):
           train.print_table(self._summary(compression=comp, adam_correction=correction),
                             cfg)
-        decay = "0.7" if comp == "topk" else "0.9"
-        self.assertEqual(f"residual decay {decay}" in out.getvalue(), named,
+        self.assertEqual("residual decay 0.7" in out.getvalue(), named,
                          (comp, correction))
 
   def test_table_names_whole_below_when_set(self):
@@ -552,17 +551,16 @@ class CompressionExcludeTest(tf.test.TestCase, parameterized.TestCase):
 
   @parameterized.parameters("dct", "topk", "deft")
   def test_adam_residual_decay_reaches_the_sparsifiers_under_adam_correction(self, comp):
-    # dlrm's default decays the residuals under Adam correction (TopK's by
-    # 0.7, the others' by 0.9); the other models keep the published error
-    # feedback (1).
+    # dlrm's default decays the residuals by 0.7 under Adam correction; the
+    # other models keep the published error feedback (1).
     def decay(**kwargs):
       return train.make_compressor(_cfg(model="dlrm", compression=comp,
                                         **kwargs)).residual_decay
-    self.assertEqual(decay(config="default"), 0.7 if comp == "topk" else 0.9)
+    self.assertEqual(decay(config="default"), 0.7)
     self.assertEqual(decay(config="default", adam_residual_decay=0.8), 0.8)
     cfg = _cfg(model="dlrm", config="default", compression=comp)
     self.assertEqual(summaries.hparams(cfg, 4, sparsifier=True, adam_correction=True)[
-        "adam_residual_decay"], 0.7 if comp == "topk" else 0.9)
+        "adam_residual_decay"], 0.7)
     self.assertEqual(summaries.hparams(_cfg(model="dlrm", compression=comp), 4,
                                        sparsifier=True, adam_correction=True)[
         "adam_residual_decay"], 1.0)
