@@ -334,8 +334,8 @@ SPECS: dict[str, ModelSpec] = {
         # that removes most of the early lag behind dense and stock TF. TopK
         # with DCT-DP's floor of 64 entries per variable and step: under
         # momentum SGD its evaluation loss ends closer to dense's than with
-        # TopK's own 8; DEFT ends further behind with 64. DEFT with
-        # DGC's momentum factor masking: under momentum SGD it ends level with
+        # TopK's own 8; DEFT ends further behind with 64. DEFT with DGC's
+        # momentum factor masking: under momentum SGD it ends level with
         # dense instead of 5% behind (docs/quality.md).
         compression_settings={"dct": {"adam_residual_decay": 0.7},
                               "topk": {"min_count": 64, "adam_residual_decay": 0.7},

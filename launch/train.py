@@ -646,18 +646,17 @@ def validate(cfg: dict) -> None:
     raise FlagError("--adam_correction applies to --optimizer=adam/adamw with "
                     f"--compression={'/'.join(SPARSIFIERS)}; this run has "
                     f"--optimizer={cfg['optimizer']} --compression={comp}")
-  decays = comp in SPARSIFIERS and adam_correction(cfg)
-  if "adam_residual_decay" in cfg.get("explicit", ()) and not decays:
+  corrected = comp in SPARSIFIERS and adam_correction(cfg)  # Adam correction applies
+  if "adam_residual_decay" in cfg.get("explicit", ()) and not corrected:
     raise FlagError(f"--adam_residual_decay applies to --compression={'/'.join(SPARSIFIERS)} with "
                     "--optimizer=adam/adamw and --adam_correction on; this run has "
                     f"--optimizer={cfg['optimizer']} --compression={comp} "
                     f"--adam_correction={str(adam_correction(cfg)).lower()}")
-  if not decays:
+  if not corrected:
     cfg["adam_residual_decay"] = None  # a model's preset decay needs Adam correction
   if cfg.get("adam_residual_decay") is not None:
     _in_range(cfg, "adam_residual_decay", 0, 1, True, False)
-  if cfg.get("adam_second_moment", "factored") != "factored" and not (
-      comp in SPARSIFIERS and adam_correction(cfg)):
+  if cfg.get("adam_second_moment", "factored") != "factored" and not corrected:
     raise FlagError("--adam_second_moment applies to --optimizer=adam/adamw with "
                     f"--compression={'/'.join(SPARSIFIERS)} and Adam correction on; this run "
                     f"has --optimizer={cfg['optimizer']} --compression={comp} "
